@@ -1,0 +1,185 @@
+"""``kvrouter bench index``: event ingest rate, prefix-match latency, index memory per block.
+
+Ingest: realistic vLLM batches (16-block BlockStored events with token ids, block size 16, chained to
+their parents, plus BlockRemoved of older blocks) are pre-encoded, then decoded and applied through the
+real codec, feed and index on one core. The decode-only rate is measured in the same run as a baseline.
+Match: 64 workers holding 1M blocks in total; worker j holds the first j/64 of the query prompt (so the
+walk covers the whole prompt) plus filler; keys are computed beforehand, only ``KvIndex.match`` is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable
+
+from router.events.codec import BlockRemoved, BlockStored, EventBatch, decode_payload, encode_payload
+from router.events.feed import IndexFeeder
+from router.index import KvIndex, Medium
+from router.keys import request_keys
+
+BLOCK = 16
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def make_batches(n_batches: int, events_per_batch: int = 4, blocks_per_event: int = 16,
+                 seed: int = 1) -> tuple[list[bytes], int]:
+    """Encoded payloads and the number of block events they carry."""
+    rng = random.Random(seed)
+    payloads: list[bytes] = []
+    block_events = 0
+    next_hash = 1
+    live: list[int] = []
+    for b in range(n_batches):
+        events: list = []
+        for _ in range(events_per_batch):
+            hashes = list(range(next_hash, next_hash + blocks_per_event))
+            next_hash += blocks_per_event
+            parent = live[-1] if live and rng.random() < 0.7 else None
+            tokens = [rng.randrange(32000) for _ in range(blocks_per_event * BLOCK)]
+            events.append(BlockStored(hashes, parent, tokens, BLOCK, None, "GPU", None,
+                                      [None] * blocks_per_event, 0, "full_attention"))
+            live.extend(hashes)
+            block_events += blocks_per_event
+        if len(live) > 4096:  # steady state: evict as much as is stored
+            gone, live = live[: blocks_per_event * 2], live[blocks_per_event * 2 :]
+            events.append(BlockRemoved(gone, "GPU", 0))
+            block_events += len(gone)
+        payloads.append(encode_payload(EventBatch(float(b), events, 0)))
+    return payloads, block_events
+
+
+def bench_ingest(rounds: int, n_batches: int) -> dict[str, float]:
+    payloads, block_events = make_batches(n_batches)
+    decode_rates, ingest_rates = [], []
+    for _ in range(rounds):
+        gc.collect()
+        t0 = time.perf_counter()
+        for p in payloads:
+            decode_payload(p)
+        decode_rates.append(block_events / (time.perf_counter() - t0))
+        feeder = IndexFeeder(KvIndex(), block_size=BLOCK)
+        gc.collect()
+        t0 = time.perf_counter()
+        for seq, p in enumerate(payloads):
+            feeder.offer("w0", seq, decode_payload(p), 0.0)
+        ingest_rates.append(block_events / (time.perf_counter() - t0))
+    return {
+        "ingest_block_events_per_s": statistics.median(ingest_rates),
+        "decode_only_block_events_per_s": statistics.median(decode_rates),
+    }
+
+
+def build_index(n_workers: int, total_blocks: int, prompts: dict[str, list[int]], seed: int = 2) -> KvIndex:
+    rng = random.Random(seed)
+    index = KvIndex(capacity=total_blocks * 2)
+    per_worker = total_blocks // n_workers
+    next_hash = 1
+    for j in range(n_workers):
+        wid = f"w{j}"
+        held = 0
+        for keys in prompts.values():
+            share = keys[: len(keys) * j // n_workers]
+            index.store(wid, range(next_hash, next_hash + len(share)), share, Medium.GPU)
+            next_hash += len(share)
+            held += len(share)
+        filler = max(0, per_worker - held)
+        index.store(wid, range(next_hash, next_hash + filler),
+                    [rng.getrandbits(64) for _ in range(filler)], Medium.GPU)
+        next_hash += filler
+    return index
+
+
+def bench_match(n_workers: int, total_blocks: int, iters: int) -> tuple[dict[str, dict[str, float]], int]:
+    rng = random.Random(3)
+    prompts_tokens = {
+        "8k": [rng.randrange(32000) for _ in range(8192)],
+        "32k": [rng.randrange(32000) for _ in range(32768)],
+    }
+    prompts = {name: request_keys(t, BLOCK) for name, t in prompts_tokens.items()}
+    index = build_index(n_workers, total_blocks, prompts)
+    out: dict[str, dict[str, float]] = {}
+    for name, keys in prompts.items():
+        samples = []
+        gc.collect()
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            index.match(keys)
+            samples.append((time.perf_counter() - t0) * 1e3)
+        key_samples = []
+        for _ in range(max(10, iters // 10)):
+            t0 = time.perf_counter()
+            request_keys(prompts_tokens[name], BLOCK)
+            key_samples.append((time.perf_counter() - t0) * 1e3)
+        out[name] = {
+            "p50_ms": statistics.median(samples),
+            "p99_ms": _percentile(samples, 0.99),
+            "keys_p50_ms": statistics.median(key_samples),
+        }
+    return out, len(index)
+
+
+def bench_memory(n_blocks: int) -> float:
+    rng = random.Random(4)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = KvIndex(capacity=n_blocks * 2)
+    step = 1000
+    for j in range(0, n_blocks, step):
+        index.store(f"w{j // step % 64}", range(j, j + step), [rng.getrandbits(64) for _ in range(step)],
+                    Medium.GPU)
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return used / len(index)
+
+
+def run(quick: bool = False, progress: Callable[[str], None] = lambda s: None) -> dict:
+    progress("ingest")
+    ingest = bench_ingest(rounds=3 if quick else 5, n_batches=200 if quick else 2000)
+    progress("match")
+    match, resident = bench_match(64, 50_000 if quick else 1_000_000, iters=50 if quick else 500)
+    progress("memory")
+    per_block = bench_memory(20_000 if quick else 200_000)
+    return {
+        "ingest_block_events_per_s": round(ingest["ingest_block_events_per_s"]),
+        "decode_only_block_events_per_s": round(ingest["decode_only_block_events_per_s"]),
+        "match_p50_ms": {k: round(v["p50_ms"], 4) for k, v in match.items()},
+        "match_p99_ms": {k: round(v["p99_ms"], 4) for k, v in match.items()},
+        "keys_p50_ms": {k: round(v["keys_p50_ms"], 4) for k, v in match.items()},
+        "resident_blocks": resident,
+        "workers": 64,
+        "block_size": BLOCK,
+        "bytes_per_resident_block": round(per_block, 1),
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    res = run(quick=args.quick, progress=lambda s: None if args.json else print(f"... {s}", flush=True))
+    if args.json:
+        print(json.dumps(res, indent=2, sort_keys=True))
+        return 0
+    ing, dec = res["ingest_block_events_per_s"], res["decode_only_block_events_per_s"]
+    rows = [
+        ("ingest (decode+apply), block-events/s, 1 core", f"{ing:,}"),
+        ("  baseline: decode only, block-events/s", f"{dec:,}  (ingest = {ing / dec:.2f}x of it)"),
+    ]
+    for k in ("8k", "32k"):
+        rows.append((f"match {k} tokens, p50 / p99 ms ({res['workers']} workers, "
+                     f"{res['resident_blocks']:,} blocks)",
+                     f"{res['match_p50_ms'][k]:.3f} / {res['match_p99_ms'][k]:.3f}"))
+        rows.append((f"  block keys for {k} tokens, p50 ms (not in match)", f"{res['keys_p50_ms'][k]:.3f}"))
+    rows.append(("index memory, bytes per resident block", f"{res['bytes_per_resident_block']:.0f}"))
+    width = max(len(r[0]) for r in rows)
+    for name, val in rows:
+        print(f"{name:<{width}}  {val}")
+    return 0

@@ -1,0 +1,63 @@
+"""The ``kvrouter`` command line. Subcommands import their modules lazily so ``--help`` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _index_replay(args: argparse.Namespace) -> int:
+    from router.events.replay_file import replay_file
+
+    report = replay_file(args.file, block_size=args.block_size)
+    data = report.as_json()
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return 0
+    print(f"{args.file}: {report.replay_frames} replay frames decoded, "
+          f"{report.unattributed_malformed} unattributable malformed frames")
+    for wid, w in data["workers"].items():
+        blocks = ", ".join(f"{m}={n}" for m, n in w["blocks"].items())
+        events = ", ".join(f"{t}={n}" for t, n in w["events"].items())
+        print(f"worker {wid}: blocks[{blocks}] events[{events}] malformed={w['malformed']} gaps={w['gaps']}")
+    return 0
+
+
+def _bench_index(args: argparse.Namespace) -> int:
+    from router.bench.index_bench import main as bench_main
+
+    return bench_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvrouter", description="Cache-aware request router for LLM fleets.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    index = sub.add_parser("index", help="inspect the KV block index").add_subparsers(dest="sub", required=True)
+    rep = index.add_parser("replay", help="feed a recorded event file through the decoder and index")
+    rep.add_argument("file", help="recorded events (JSONL, as ../shared/fixtures/*/kv_events.jsonl)")
+    rep.add_argument("--block-size", type=int, default=None, help="expected engine block size (default: any)")
+    rep.add_argument("--json", action="store_true", help="print JSON with stable keys")
+    rep.set_defaults(handler=_index_replay)
+
+    bench = sub.add_parser("bench", help="benchmarks that print a table (or --json)")
+    bsub = bench.add_subparsers(dest="sub", required=True)
+    bi = bsub.add_parser("index", help="event ingest rate, match latency, index memory")
+    bi.add_argument("--json", action="store_true")
+    bi.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
+    bi.set_defaults(handler=_bench_index)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler: Handler = args.handler
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

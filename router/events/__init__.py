@@ -1,0 +1,1 @@
+"""KV-cache events: wire codec, ordered application to the index, ZeroMQ subscriber."""

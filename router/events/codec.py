@@ -1,0 +1,198 @@
+"""vLLM's KV-event wire format (vLLM 0.32/0.33; SGLang 0.5 variant), decode and encode.
+
+Live message: ``[topic, seq (8 bytes big-endian), payload]``; payload = msgpack array
+``[ts, events, data_parallel_rank]``; events are maps tagged by ``"type"`` (current vLLM) or arrays with
+the tag first (before vLLM PR #42892). Replay reply: ``[b"", topic, seq, payload]`` (older: no topic),
+ended by ``[b"", b"", 0xFF*8, ...]``.
+
+Decoding takes msgspec's typed fast path for the current shape and falls back to a tolerant generic
+decode for the older and SGLang shapes. Unknown fields are ignored; anything else is ``MalformedFrame``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from router.index import Medium
+
+SEQ_BYTES = 8
+END_OF_REPLAY = b"\xff" * SEQ_BYTES
+
+BlockHash = int | bytes
+
+
+class MalformedFrame(ValueError):
+    """A frame or payload that is not a valid KV-event message."""
+
+
+class BlockStored(msgspec.Struct, tag_field="type", tag=True, gc=False):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    cache_salt: str | None = None  # SGLang sends the salt as its own field
+
+
+class BlockRemoved(msgspec.Struct, tag_field="type", tag=True, gc=False):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag_field="type", tag=True, gc=False):
+    pass
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[KvEvent]
+    data_parallel_rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EventMessage:
+    topic: str
+    seq: int
+    batch: EventBatch
+
+
+# vLLM/SGLang medium names -> our tiers. None: engines before media were reported (GPU).
+_MEDIA: dict[str | None, Medium] = {
+    None: Medium.GPU,
+    "GPU": Medium.GPU,
+    "CPU": Medium.CPU,
+    "CPU_PINNED": Medium.CPU,
+    "STORAGE": Medium.STORAGE,
+    "DISK": Medium.STORAGE,
+    "EXTERNAL": Medium.STORAGE,
+}
+
+
+def medium_of(name: str | None) -> Medium:
+    try:
+        return _MEDIA[name.upper() if name else None]
+    except KeyError:
+        raise MalformedFrame(f"unknown medium {name!r}") from None
+
+
+_typed = msgspec.msgpack.Decoder(EventBatch)
+_generic = msgspec.msgpack.Decoder()
+_encoder = msgspec.msgpack.Encoder()
+_EVENT_TYPES: dict[str, type[msgspec.Struct]] = {
+    "BlockStored": BlockStored,
+    "BlockRemoved": BlockRemoved,
+    "AllBlocksCleared": AllBlocksCleared,
+}
+
+
+def decode_payload(payload: bytes) -> EventBatch:
+    try:
+        return _typed.decode(payload)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        pass
+    try:
+        raw = _generic.decode(payload)
+    except msgspec.DecodeError as e:
+        raise MalformedFrame(f"payload is not msgpack: {e}") from None
+    if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
+        raise MalformedFrame("payload is not an [ts, events, dp_rank] array")
+    ts, events = raw[0], raw[1]
+    rank = raw[2] if len(raw) > 2 else None
+    if not isinstance(ts, int | float) or not (rank is None or isinstance(rank, int)):
+        raise MalformedFrame("bad ts or data_parallel_rank")
+    decoded = [_event_from_raw(e) for e in events]
+    # Event types from newer engines that we do not know are skipped, not fatal to the batch.
+    return EventBatch(float(ts), [e for e in decoded if e is not None], rank)
+
+
+def _event_from_raw(raw: Any) -> KvEvent | None:
+    """One event in any known shape: a map with ``type`` or an array with the tag first."""
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        if not isinstance(tag, str):
+            raise MalformedFrame("event map without a string 'type'")
+        fields = raw
+    elif isinstance(raw, list) and raw and isinstance(raw[0], str):
+        tag = raw[0]
+        fields = None
+    else:
+        raise MalformedFrame("event is neither a map nor a tagged array")
+    cls = _EVENT_TYPES.get(tag)
+    if cls is None:
+        return None
+    if fields is None:
+        fields = dict(zip(cls.__struct_fields__, raw[1:], strict=False))
+    known = {k: v for k, v in fields.items() if k in cls.__struct_fields__}
+    try:
+        return msgspec.convert(known, cls)
+    except msgspec.ValidationError as e:
+        raise MalformedFrame(f"bad {tag}: {e}") from None
+
+
+def decode_seq(frame: bytes) -> int:
+    if len(frame) != SEQ_BYTES:
+        raise MalformedFrame(f"seq frame must be {SEQ_BYTES} bytes, got {len(frame)}")
+    return int.from_bytes(frame, "big")
+
+
+def decode_message(frames: list[bytes]) -> EventMessage:
+    """A live PUB message ``[topic, seq, payload]``."""
+    if len(frames) != 3:
+        raise MalformedFrame(f"expected 3 frames, got {len(frames)}")
+    try:
+        topic = bytes(frames[0]).decode()
+    except UnicodeDecodeError:
+        raise MalformedFrame("topic is not utf-8") from None
+    return EventMessage(topic, decode_seq(frames[1]), decode_payload(frames[2]))
+
+
+def decode_replay_frames(frames: list[bytes]) -> EventMessage | None:
+    """One replay reply; ``None`` for the end marker. Accepts the older form without a topic."""
+    if frames and frames[0] == b"":
+        frames = frames[1:]  # DEALER delimiter
+    if len(frames) >= 2 and frames[0] == b"" and frames[1] == END_OF_REPLAY:
+        return None
+    if len(frames) == 3:
+        return decode_message(frames)
+    if len(frames) == 2:
+        return EventMessage("", decode_seq(frames[0]), decode_payload(frames[1]))
+    raise MalformedFrame(f"replay reply with {len(frames)} frames")
+
+
+# Field order of vLLM 0.32's map-shaped events (checked against the real recording by the tests).
+_VLLM_FIELDS: dict[type, tuple[str, ...]] = {
+    BlockStored: (
+        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+        "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+    ),
+    BlockRemoved: ("block_hashes", "medium", "group_idx"),
+    AllBlocksCleared: (),
+}
+
+
+def vllm_event_map(event: KvEvent) -> dict[str, Any]:
+    """An event as vLLM frames it: ``type`` first, then its fields in vLLM's order."""
+    out: dict[str, Any] = {"type": type(event).__name__}
+    for name in _VLLM_FIELDS[type(event)]:
+        out[name] = getattr(event, name)
+    return out
+
+
+def encode_payload(batch: EventBatch) -> bytes:
+    return _encoder.encode([batch.ts, [vllm_event_map(e) for e in batch.events], batch.data_parallel_rank])
+
+
+def encode_message(topic: str, seq: int, batch: EventBatch) -> list[bytes]:
+    return [topic.encode(), seq.to_bytes(SEQ_BYTES, "big"), encode_payload(batch)]

@@ -1,0 +1,192 @@
+"""Ordered application of event batches to the index, per worker. Pure: the caller passes ``now``.
+
+The feed owns the sequence rules so the live subscriber, the recorded-file replay and the simulator
+share them:
+- in order (``seq == last + 1``): apply.
+- ahead (``seq > last + 1``, or a first contact with ``seq > 0``): report a ``Gap``; the caller fetches the
+  missing range from the worker's replay socket and calls ``fill_gap``. If the range cannot be filled,
+  the worker's entries are cleared and it is **unsynced** until fresh events have flowed for
+  ``resync_after_s`` (or an ``AllBlocksCleared`` makes its state exact again).
+- behind (``seq <= last``): the engine restarted (its seq restarts at 0, its cache is empty and it sends
+  no AllBlocksCleared): clear, then treat the batch as a first contact.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from router.events.codec import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    MalformedFrame,
+    medium_of,
+)
+from router.index import KvIndex, Medium
+from router.keys import ROOT_KEY, chain_keys, request_extras
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    worker_id: str
+    first_missing: int
+    next_seq: int  # the held batch's seq; the gap is [first_missing, next_seq)
+
+
+@dataclass(slots=True)
+class WorkerFeed:
+    worker_id: str
+    last_seq: int | None = None
+    last_event_at: float | None = None
+    synced: bool = False
+    unsynced_since: float | None = None
+    events: Counter[str] = field(default_factory=Counter)
+    batches: int = 0
+    malformed: int = 0
+    gaps: int = 0
+    gaps_filled: int = 0
+    resets: int = 0
+    orphan_blocks: int = 0  # stored blocks whose parent hash we did not know
+    unknown_removals: int = 0
+    block_size_mismatch: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    worker_id: str
+    state: str  # "synced" | "unsynced" | "stale"
+    last_event_age_s: float | None
+    last_seq: int | None
+    blocks: dict[Medium, int]
+
+
+class IndexFeeder:
+    def __init__(self, index: KvIndex, block_size: int | None = None, resync_after_s: float = 2.0) -> None:
+        self.index = index
+        self.block_size = block_size  # None: accept the engine's block size as is
+        self.resync_after_s = resync_after_s
+        self.feeds: dict[str, WorkerFeed] = {}
+
+    def feed(self, worker_id: str) -> WorkerFeed:
+        f = self.feeds.get(worker_id)
+        if f is None:
+            f = self.feeds[worker_id] = WorkerFeed(worker_id)
+        return f
+
+    # ---- sequencing ------------------------------------------------------------------------
+    def offer(self, worker_id: str, seq: int, batch: EventBatch, now: float) -> Gap | None:
+        """Apply a live batch if it is next in order; otherwise say which range is missing."""
+        f = self.feed(worker_id)
+        if f.last_seq is not None and seq <= f.last_seq:
+            self._reset(f)
+        expected = 0 if f.last_seq is None else f.last_seq + 1
+        if seq != expected:
+            f.gaps += 1
+            return Gap(worker_id, expected, seq)
+        if seq == 0:
+            f.synced = True  # we have seen every batch this engine process published
+        self._apply(f, seq, batch, now)
+        return None
+
+    def fill_gap(
+        self, gap: Gap, replayed: Iterable[tuple[int, EventBatch]], held: EventBatch, now: float
+    ) -> bool:
+        """Apply replayed batches covering ``gap`` then the held one; clear the worker if they do not."""
+        f = self.feed(gap.worker_id)
+        want = gap.first_missing
+        for seq, batch in sorted(replayed, key=lambda sb: sb[0]):
+            if seq < want:
+                continue  # already applied
+            if seq != want or seq >= gap.next_seq:
+                break
+            self._apply(f, seq, batch, now)
+            want += 1
+        filled = want == gap.next_seq
+        if filled:
+            f.gaps_filled += 1
+            if gap.first_missing == 0:
+                f.synced = True  # replayed from the engine's very first batch
+        else:
+            self.index.clear_worker(gap.worker_id)
+            self._mark_unsynced(f, now)
+        self._apply(f, gap.next_seq, held, now)
+        return filled
+
+    def _reset(self, f: WorkerFeed) -> None:
+        self.index.clear_worker(f.worker_id)
+        f.resets += 1
+        f.last_seq = None
+
+    def _mark_unsynced(self, f: WorkerFeed, now: float) -> None:
+        f.synced = False
+        f.unsynced_since = now
+
+    def mark_malformed(self, worker_id: str) -> None:
+        self.feed(worker_id).malformed += 1
+
+    def remove_worker(self, worker_id: str) -> None:
+        self.feeds.pop(worker_id, None)
+        self.index.remove_worker(worker_id)
+
+    # ---- application -------------------------------------------------------------------------
+    def _apply(self, f: WorkerFeed, seq: int, batch: EventBatch, now: float) -> None:
+        f.last_seq = seq
+        f.last_event_at = now
+        f.batches += 1
+        for event in batch.events:
+            kind = type(event).__name__
+            try:
+                if isinstance(event, BlockStored):
+                    self._stored(f, event)
+                elif isinstance(event, BlockRemoved):
+                    f.unknown_removals += self.index.remove(
+                        f.worker_id, event.block_hashes, medium_of(event.medium)
+                    )
+                elif isinstance(event, AllBlocksCleared):
+                    self.index.clear_worker(f.worker_id)
+                    f.synced = True
+            except (MalformedFrame, ValueError, OverflowError, TypeError):
+                f.malformed += 1
+                continue
+            f.events[kind] += 1
+        if not f.synced and f.unsynced_since is not None and now - f.unsynced_since >= self.resync_after_s:
+            f.synced = True
+
+    def _stored(self, f: WorkerFeed, ev: BlockStored) -> None:
+        n = len(ev.block_hashes)
+        if ev.block_size <= 0 or len(ev.token_ids) != n * ev.block_size:
+            raise MalformedFrame("token_ids do not fill block_hashes x block_size")
+        medium = medium_of(ev.medium)
+        if self.block_size is not None and ev.block_size != self.block_size:
+            f.block_size_mismatch += n
+            return
+        if ev.parent_block_hash is None:
+            parent = ROOT_KEY
+        else:
+            found = self.index.key_of(f.worker_id, ev.parent_block_hash)
+            if found is None:
+                f.orphan_blocks += n
+                return
+            parent = found
+        extras = ev.extra_keys
+        if extras is None and (ev.lora_name or ev.cache_salt):  # SGLang: no extra_keys field
+            extras = request_extras(n, ev.lora_name, ev.cache_salt if ev.parent_block_hash is None else None)
+        elif extras is not None and len(extras) != n:
+            raise MalformedFrame("extra_keys length differs from block_hashes")
+        keys = chain_keys(ev.token_ids, ev.block_size, parent, extras)
+        self.index.store(f.worker_id, ev.block_hashes, keys, medium)
+
+    # ---- status ------------------------------------------------------------------------------
+    def status(self, worker_id: str, now: float, stale_after_s: float | None = None) -> WorkerStatus:
+        f = self.feed(worker_id)
+        age = None if f.last_event_at is None else max(0.0, now - f.last_event_at)
+        if not f.synced:
+            state = "unsynced"
+        elif stale_after_s is not None and (age is None or age > stale_after_s):
+            state = "stale"
+        else:
+            state = "synced"
+        return WorkerStatus(worker_id, state, age, f.last_seq, self.index.blocks_held(worker_id))

@@ -1,0 +1,192 @@
+"""ZeroMQ adapter: receive engines' KV-event messages and hand them to the feed in order.
+
+Two topologies (vLLM binds its PUB socket when the endpoint has ``*``/``::`` or is ipc/inproc):
+- **dial**: one SUB socket per engine, connected to its PUB endpoint; the worker is known per socket.
+- **bind**: one SUB socket bound by the router that every engine connects to; the worker is named by
+  ``identity(topic, data_parallel_rank)`` (default: the topic, plus ``@dp<rank>`` for ranks > 0).
+
+A gap is filled from the worker's replay socket (DEALER, ``[b"", start_seq]``) before later messages of
+that worker are taken; the feed decides what an unfilled gap means. Bad frames are counted, never fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from router.events.codec import (
+    SEQ_BYTES,
+    EventBatch,
+    MalformedFrame,
+    decode_message,
+    decode_replay_frames,
+)
+from router.events.feed import IndexFeeder
+
+log = logging.getLogger(__name__)
+
+Identity = Callable[[str, int | None], str]
+
+
+def default_identity(topic: str, dp_rank: int | None) -> str:
+    base = topic or "default"
+    return f"{base}@dp{dp_rank}" if dp_rank else base
+
+
+@dataclass(frozen=True, slots=True)
+class EventSource:
+    """One engine (one data-parallel rank) whose PUB socket the router dials."""
+
+    worker_id: str
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+async def fetch_replay(
+    ctx: zmq.asyncio.Context, endpoint: str, start_seq: int, stop_before: int, timeout_s: float
+) -> list[tuple[int, EventBatch]]:
+    """Ask an engine's replay socket for batches ``start_seq..stop_before-1``. Best effort."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    out: list[tuple[int, EventBatch]] = []
+    try:
+        sock.connect(endpoint)
+        await sock.send_multipart([b"", start_seq.to_bytes(SEQ_BYTES, "big")])
+        while True:
+            frames = await asyncio.wait_for(sock.recv_multipart(), timeout_s)
+            try:
+                msg = decode_replay_frames(frames)
+            except MalformedFrame as e:
+                log.warning("bad replay frame from %s: %s", endpoint, e)
+                continue
+            if msg is None:
+                break
+            out.append((msg.seq, msg.batch))
+            if msg.seq >= stop_before - 1:
+                break
+    except (TimeoutError, zmq.ZMQError) as e:
+        log.warning("replay from %s failed after %d batches: %r", endpoint, len(out), e)
+    finally:
+        sock.close()
+    return out
+
+
+class KvEventSubscriber:
+    def __init__(
+        self,
+        feeder: IndexFeeder,
+        *,
+        bind: str | None = None,
+        identity: Identity = default_identity,
+        replay_endpoints: dict[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        replay_timeout_s: float = 1.0,
+        rcvhwm: int = 100_000,
+        ctx: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.feeder = feeder
+        self.bind = bind
+        self.identity = identity
+        self.replay_endpoints = dict(replay_endpoints or {})
+        self.clock = clock
+        self.replay_timeout_s = replay_timeout_s
+        self.rcvhwm = rcvhwm
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.unattributed_malformed = 0  # bind mode: frames too broken to name their worker
+        self.messages = 0
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.bound_endpoint: str | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.bind is not None:
+            sock = self._sub_socket()
+            sock.bind(self.bind)
+            self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._tasks["<bind>"] = asyncio.create_task(self._run(sock, None))
+
+    def add_source(self, source: EventSource) -> None:
+        """Dial one engine (also usable alongside a bound socket)."""
+        self.remove_source(source.worker_id)
+        if source.replay_endpoint:
+            self.replay_endpoints[source.worker_id] = source.replay_endpoint
+        sock = self._sub_socket(source.topic)
+        sock.connect(source.endpoint)
+        self._tasks[source.worker_id] = asyncio.create_task(self._run(sock, source.worker_id))
+
+    def remove_source(self, worker_id: str) -> None:
+        task = self._tasks.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    def _sub_socket(self, topic: str = "") -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        return sock
+
+    # ---- receive loop ------------------------------------------------------------------------
+    async def _run(self, sock: zmq.asyncio.Socket, worker_id: str | None) -> None:
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                self.messages += 1
+                try:
+                    await self._handle(frames, worker_id)
+                except Exception:  # never let one bad message end the subscription
+                    log.exception("error handling KV event message")
+        finally:
+            sock.close()
+
+    async def _handle(self, frames: list[bytes], worker_id: str | None) -> None:
+        try:
+            msg = decode_message(frames)
+        except MalformedFrame as e:
+            named = worker_id or self._identity_of_broken(frames)
+            if named is None:
+                self.unattributed_malformed += 1
+            else:
+                self.feeder.mark_malformed(named)
+            log.debug("malformed KV event frame: %s", e)
+            return
+        worker = worker_id or self.identity(msg.topic, msg.batch.data_parallel_rank)
+        gap = self.feeder.offer(worker, msg.seq, msg.batch, self.clock())
+        if gap is None:
+            return
+        endpoint = self.replay_endpoints.get(worker)
+        replayed: list[tuple[int, EventBatch]] = []
+        if endpoint:
+            replayed = await fetch_replay(
+                self.ctx, endpoint, gap.first_missing, gap.next_seq, self.replay_timeout_s
+            )
+        filled = self.feeder.fill_gap(gap, replayed, msg.batch, self.clock())
+        log.info(
+            "worker %s: gap %d..%d %s", worker, gap.first_missing, gap.next_seq - 1,
+            "filled from replay" if filled else "not recoverable, index cleared (unsynced)",
+        )
+
+    def _identity_of_broken(self, frames: list[bytes]) -> str | None:
+        if len(frames) < 1:
+            return None
+        try:
+            return self.identity(bytes(frames[0]).decode(), None)
+        except UnicodeDecodeError:
+            return None

@@ -1,0 +1,291 @@
+"""Which block keys each worker holds, per medium. Pure: no I/O, no clocks.
+
+Layout, chosen for the match loop (the hot path):
+- ``_holders[medium]``: block key -> bitmask of worker slots holding it on that medium. A match walks the
+  request's keys once, AND-ing a mask of still-matching workers, and stops as soon as it is empty.
+- per worker, ``hash_to_key`` (engine hash -> our key, so ``BlockRemoved`` and parent hashes resolve) and,
+  per medium, an insertion-ordered refcount map ``engine hash -> count`` (the same hash can be stored
+  twice, in different physical blocks). Insertion order doubles as the index's own LRU order.
+
+Memory is bounded by ``capacity`` (worker, medium, engine-hash) entries: beyond it the worker holding
+the most entries loses its oldest ones, the ones its engine is likeliest to have evicted already.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+EngineHash = Hashable  # vLLM sends uint64 (default) or digest bytes; SGLang signed int64
+
+
+class Medium(IntEnum):
+    GPU = 0
+    CPU = 1
+    STORAGE = 2
+
+
+MEDIA = tuple(Medium)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """A worker's longest consecutive prefix of the request, split by the cheapest tier holding it.
+
+    ``gpu`` = blocks of the longest prefix held on GPU; ``cpu`` = further blocks extending it that are held
+    on GPU or CPU; ``storage`` = further blocks held on any medium. ``total`` is the any-medium prefix.
+    """
+
+    gpu: int
+    cpu: int = 0
+    storage: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.gpu + self.cpu + self.storage
+
+
+@dataclass(slots=True)
+class _WorkerBlocks:
+    slot: int
+    hash_to_key: dict[EngineHash, int] = field(default_factory=dict)
+    refs: tuple[dict[EngineHash, int], ...] = field(default_factory=lambda: ({}, {}, {}))
+
+    @property
+    def entries(self) -> int:
+        return sum(len(r) for r in self.refs)
+
+
+class KvIndex:
+    """Residency of KV blocks across workers, fed by engine events, queried by prefix."""
+
+    def __init__(self, capacity: int = 8_000_000) -> None:
+        if capacity <= 0:
+            raise ValueError("capacity must be positive")
+        self.capacity = capacity
+        self._holders: tuple[dict[int, int], ...] = ({}, {}, {})
+        self._workers: dict[str, _WorkerBlocks] = {}
+        self._slot_owner: dict[int, str] = {}
+        self._free_slots: list[int] = []
+        # (slot, medium, key) -> extra engine hashes mapping to the same key (rare: only
+        # if two engine hashes share our key); lets removal of one keep the key resident.
+        self._dup_keys: dict[tuple[int, int, int], int] = {}
+        self._entries = 0
+        self.evicted_entries = 0
+
+    # ---- workers -------------------------------------------------------------------------
+    def _worker(self, worker_id: str) -> _WorkerBlocks:
+        w = self._workers.get(worker_id)
+        if w is None:
+            slot = self._free_slots.pop() if self._free_slots else len(self._workers)
+            w = self._workers[worker_id] = _WorkerBlocks(slot)
+            self._slot_owner[slot] = worker_id
+        return w
+
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    def clear_worker(self, worker_id: str) -> int:
+        """Forget every block of one worker (AllBlocksCleared, restart, unrecoverable gap)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return 0
+        dropped = 0
+        bit = 1 << w.slot
+        for medium in MEDIA:
+            holders = self._holders[medium]
+            refs = w.refs[medium]
+            for h in refs:
+                key = w.hash_to_key[h]
+                mask = holders.get(key, 0) & ~bit
+                if mask:
+                    holders[key] = mask
+                else:
+                    holders.pop(key, None)
+            dropped += len(refs)
+            refs.clear()
+        w.hash_to_key.clear()
+        for k in [k for k in self._dup_keys if k[0] == w.slot]:
+            del self._dup_keys[k]
+        self._entries -= dropped
+        return dropped
+
+    def remove_worker(self, worker_id: str) -> None:
+        self.clear_worker(worker_id)
+        w = self._workers.pop(worker_id, None)
+        if w is not None:
+            del self._slot_owner[w.slot]
+            self._free_slots.append(w.slot)
+
+    # ---- events --------------------------------------------------------------------------
+    def key_of(self, worker_id: str, engine_hash: EngineHash) -> int | None:
+        w = self._workers.get(worker_id)
+        return None if w is None else w.hash_to_key.get(engine_hash)
+
+    def store(
+        self, worker_id: str, engine_hashes: Sequence[EngineHash], keys: Sequence[int], medium: Medium
+    ) -> None:
+        """Record blocks stored by a worker (one BlockStored event)."""
+        w = self._worker(worker_id)
+        refs = w.refs[medium]
+        holders = self._holders[medium]
+        hash_to_key = w.hash_to_key
+        bit = 1 << w.slot
+        added = 0
+        for h, key in zip(engine_hashes, keys, strict=True):
+            count = refs.pop(h, 0)  # pop + reinsert: most recently stored goes last (LRU order)
+            refs[h] = count + 1
+            if count:
+                continue
+            added += 1
+            hash_to_key[h] = key
+            mask = holders.get(key, 0)
+            if mask & bit:
+                dup = (w.slot, medium, key)
+                self._dup_keys[dup] = self._dup_keys.get(dup, 0) + 1
+            else:
+                holders[key] = mask | bit
+        self._entries += added
+        if self._entries > self.capacity:
+            self._evict()
+
+    def remove(self, worker_id: str, engine_hashes: Iterable[EngineHash], medium: Medium) -> int:
+        """Apply a BlockRemoved; returns how many hashes were unknown to the index."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return sum(1 for _ in engine_hashes)
+        refs = w.refs[medium]
+        unknown = 0
+        for h in engine_hashes:
+            count = refs.get(h)
+            if count is None:
+                unknown += 1
+            elif count > 1:
+                refs[h] = count - 1
+            else:
+                self._drop_entry(w, medium, h)
+        return unknown
+
+    def _drop_entry(self, w: _WorkerBlocks, medium: Medium, h: EngineHash) -> None:
+        del w.refs[medium][h]
+        self._entries -= 1
+        key = w.hash_to_key[h]
+        if not any(h in r for r in w.refs):
+            del w.hash_to_key[h]
+        self._release_key(w, medium, key)
+
+    def _release_key(self, w: _WorkerBlocks, medium: Medium, key: int) -> None:
+        dup = (w.slot, medium, key)
+        extra = self._dup_keys.get(dup)
+        if extra:
+            if extra == 1:
+                del self._dup_keys[dup]
+            else:
+                self._dup_keys[dup] = extra - 1
+            return
+        holders = self._holders[medium]
+        mask = holders.get(key, 0) & ~(1 << w.slot)
+        if mask:
+            holders[key] = mask
+        else:
+            holders.pop(key, None)
+
+    def _evict(self) -> None:
+        """Shed the oldest entries of the biggest workers until 1% below capacity (amortised)."""
+        target = self.capacity - max(1, self.capacity // 100)
+        while self._entries > target:
+            w = max(self._workers.values(), key=lambda x: x.entries)
+            medium = max(MEDIA, key=lambda m: len(w.refs[m]))
+            refs = w.refs[medium]
+            excess = min(len(refs), self._entries - target)
+            for h in list(refs)[:excess]:
+                self._drop_entry(w, medium, h)
+                self.evicted_entries += 1
+
+    # ---- queries -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Resident (worker, medium, engine hash) entries."""
+        return self._entries
+
+    def blocks_held(self, worker_id: str) -> dict[Medium, int]:
+        w = self._workers.get(worker_id)
+        if w is None:
+            return {m: 0 for m in MEDIA}
+        return {m: len(w.refs[m]) for m in MEDIA}
+
+    def resident_keys(self, worker_id: str) -> dict[Medium, set[int]]:
+        """Every key a worker holds, per medium (for tests and debugging; O(blocks))."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return {m: set() for m in MEDIA}
+        return {m: {w.hash_to_key[h] for h in w.refs[m]} for m in MEDIA}
+
+    def holds(self, worker_id: str, key: int, medium: Medium = Medium.GPU) -> bool:
+        w = self._workers.get(worker_id)
+        return w is not None and bool(self._holders[medium].get(key, 0) >> w.slot & 1)
+
+    def match(self, keys: Sequence[int]) -> dict[str, PrefixMatch]:
+        """Each worker's longest consecutive prefix of ``keys`` (from block 0), by tier.
+
+        Workers with no matched block are absent from the result.
+        """
+        gpu, cpu, storage = self._holders
+        if not cpu and not storage:
+            return self._match_gpu_only(keys, gpu)
+        lengths: list[dict[int, int]] = [{}, {}, {}]  # tier -> slot -> prefix length
+        alive = [-1, -1, -1]  # GPU; GPU|CPU; any
+        n = len(keys)
+        for i, key in enumerate(keys):
+            g = gpu.get(key, 0)
+            masks = (g, g | cpu.get(key, 0), 0)
+            masks = (masks[0], masks[1], masks[1] | storage.get(key, 0))
+            for tier in (0, 1, 2):
+                new = alive[tier] & masks[tier]
+                if new != alive[tier]:
+                    _record_drops(alive[tier] & ~new, i, lengths[tier])
+                    alive[tier] = new
+            if not alive[2]:
+                break
+        else:
+            for tier in (0, 1, 2):
+                if alive[tier] and alive[tier] != -1:
+                    _record_drops(alive[tier], n, lengths[tier])
+        result: dict[str, PrefixMatch] = {}
+        for slot, total in lengths[2].items():
+            if total == 0:
+                continue
+            g = lengths[0].get(slot, 0)
+            c = lengths[1].get(slot, 0)
+            result[self._slot_owner[slot]] = PrefixMatch(gpu=g, cpu=c - g, storage=total - c)
+        return result
+
+    def _match_gpu_only(self, keys: Sequence[int], gpu: dict[int, int]) -> dict[str, PrefixMatch]:
+        if not keys:
+            return {}
+        alive = gpu.get(keys[0], 0)
+        if not alive:
+            return {}
+        lengths: dict[int, int] = {}
+        get = gpu.get
+        for i in range(1, len(keys)):
+            new = alive & get(keys[i], 0)
+            if new != alive:
+                _record_drops(alive & ~new, i, lengths)
+                alive = new
+                if not alive:
+                    break
+        else:
+            _record_drops(alive, len(keys), lengths)
+        owner = self._slot_owner
+        return {owner[s]: PrefixMatch(gpu=n) for s, n in lengths.items()}
+
+
+def _record_drops(dropped: int, length: int, out: dict[int, int]) -> None:
+    """Record ``length`` for every slot bit in ``dropped`` (-1 stands for 'all', only before block 0)."""
+    if dropped < 0:  # the initial all-ones mask: only slots that exist matter, none matched
+        return
+    while dropped:
+        low = dropped & -dropped
+        out[low.bit_length() - 1] = length
+        dropped ^= low

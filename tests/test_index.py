@@ -1,0 +1,144 @@
+"""The index against a brute-force model, plus eviction and per-tier matching."""
+
+from collections import defaultdict
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.index import MEDIA, KvIndex, Medium, PrefixMatch
+
+KEYS = 12  # a small key space so different hashes share keys and prefixes overlap
+WORKERS = ["a", "b", "c"]
+
+
+def key_of(h: int) -> int:
+    return h % KEYS
+
+
+class ModelIndex:
+    """Obvious and slow: per worker and medium, a refcount per engine hash."""
+
+    def __init__(self):
+        self.refs = defaultdict(lambda: defaultdict(int))  # (worker, medium) -> hash -> count
+
+    def store(self, w, hashes, m):
+        for h in hashes:
+            self.refs[w, m][h] += 1
+
+    def remove(self, w, hashes, m):
+        for h in hashes:
+            if self.refs[w, m].get(h):
+                self.refs[w, m][h] -= 1
+                if not self.refs[w, m][h]:
+                    del self.refs[w, m][h]
+
+    def clear(self, w):
+        for m in MEDIA:
+            self.refs[w, m].clear()
+
+    def held(self, w, m):
+        return {key_of(h) for h, c in self.refs[w, m].items() if c > 0}
+
+    def match(self, keys):
+        out = {}
+        for w in WORKERS:
+            sets = [self.held(w, m) for m in MEDIA]
+            tiers = [sets[0], sets[0] | sets[1], sets[0] | sets[1] | sets[2]]
+            lens = []
+            for s in tiers:
+                n = 0
+                while n < len(keys) and keys[n] in s:
+                    n += 1
+                lens.append(n)
+            if lens[2]:
+                out[w] = PrefixMatch(lens[0], lens[1] - lens[0], lens[2] - lens[1])
+        return out
+
+
+worker = st.sampled_from(WORKERS)
+medium = st.sampled_from(list(Medium))
+hashes = st.lists(st.integers(0, 40), min_size=1, max_size=6)
+op = st.one_of(
+    st.tuples(st.just("store"), worker, hashes, medium),
+    st.tuples(st.just("store"), worker, hashes, st.just(Medium.GPU)),
+    st.tuples(st.just("remove"), worker, hashes, medium),
+    st.tuples(st.just("clear"), worker, st.just([]), st.just(Medium.GPU)),
+    st.tuples(st.just("drop_worker"), worker, st.just([]), st.just(Medium.GPU)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(op, max_size=40), st.lists(st.lists(st.integers(0, KEYS - 1), max_size=8), min_size=1, max_size=4))
+def test_random_interleavings_agree_with_brute_force(ops, queries):
+    index, model = KvIndex(), ModelIndex()
+    for kind, w, hs, m in ops:
+        if kind == "store":
+            index.store(w, hs, [key_of(h) for h in hs], m)
+            model.store(w, hs, m)
+        elif kind == "remove":
+            index.remove(w, hs, m)
+            model.remove(w, hs, m)
+        elif kind == "clear":
+            index.clear_worker(w)
+            model.clear(w)
+        else:
+            index.remove_worker(w)
+            model.clear(w)
+        for q in queries:
+            assert index.match(q) == model.match(q)
+    for w in WORKERS:
+        held = index.blocks_held(w)
+        assert held == {m: len(model.refs[w, m]) for m in MEDIA}
+    assert len(index) == sum(len(r) for r in model.refs.values())
+
+
+def test_removal_resolves_through_engine_hash_and_counts_unknown():
+    index = KvIndex()
+    index.store("a", [101, 102], [1, 2], Medium.GPU)
+    assert index.remove("a", [999], Medium.GPU) == 1
+    assert index.remove("a", [102], Medium.GPU) == 0
+    assert index.match([1, 2]) == {"a": PrefixMatch(gpu=1)}
+    assert index.key_of("a", 101) == 1 and index.key_of("a", 102) is None
+
+
+def test_same_hash_stored_twice_needs_two_removals():
+    index = KvIndex()
+    index.store("a", [7], [70], Medium.GPU)
+    index.store("a", [7], [70], Medium.GPU)
+    index.remove("a", [7], Medium.GPU)
+    assert index.holds("a", 70)
+    index.remove("a", [7], Medium.GPU)
+    assert not index.holds("a", 70)
+
+
+def test_tiers_split_the_prefix_by_cheapest_medium():
+    index = KvIndex()
+    index.store("a", [1, 2], [10, 11], Medium.GPU)
+    index.store("a", [3], [12], Medium.CPU)
+    index.store("a", [4], [13], Medium.STORAGE)
+    index.store("b", [5, 6, 7, 8], [10, 11, 12, 13], Medium.CPU)
+    m = index.match([10, 11, 12, 13, 14])
+    assert m["a"] == PrefixMatch(gpu=2, cpu=1, storage=1)
+    assert m["b"] == PrefixMatch(gpu=0, cpu=4, storage=0)
+    assert m["a"].total == 4
+
+
+def test_capacity_bounds_memory_by_evicting_oldest_of_the_biggest_worker():
+    index = KvIndex(capacity=100)
+    index.store("small", range(10), range(1000, 1010), Medium.GPU)
+    index.store("big", range(100, 200), range(100), Medium.GPU)  # pushes past capacity
+    assert len(index) <= 100
+    assert index.blocks_held("small")[Medium.GPU] == 10  # the small worker keeps everything
+    assert index.evicted_entries >= 10
+    assert not index.holds("big", 0)  # oldest gone ...
+    assert index.holds("big", 99)  # ... newest kept
+    assert index.match(list(range(1000, 1010)))["small"].gpu == 10
+
+
+def test_worker_slots_are_reused_without_leaking_old_residency():
+    index = KvIndex()
+    index.store("a", [1], [5], Medium.GPU)
+    index.remove_worker("a")
+    index.store("b", [2], [6], Medium.GPU)  # takes a's slot
+    assert index.match([5]) == {}
+    assert index.match([6]) == {"b": PrefixMatch(gpu=1)}
