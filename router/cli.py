@@ -54,9 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     handler: Handler = args.handler
-    return handler(args)
+    try:
+        return handler(args)
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        parser.exit(2, f"kvrouter: error: {e.strerror}: {e.filename}\n")
 
 
 if __name__ == "__main__":
