@@ -221,6 +221,11 @@ class KvIndex:
             return {m: set() for m in MEDIA}
         return {m: {w.hash_to_key[h] for h in w.refs[m]} for m in MEDIA}
 
+    def engine_hashes(self, worker_id: str) -> dict[Medium, set[EngineHash]]:
+        """Every engine hash a worker holds, per medium (for tests and debugging)."""
+        w = self._workers.get(worker_id)
+        return {m: set(w.refs[m]) if w else set() for m in MEDIA}
+
     def holds(self, worker_id: str, key: int, medium: Medium = Medium.GPU) -> bool:
         w = self._workers.get(worker_id)
         return w is not None and bool(self._holders[medium].get(key, 0) >> w.slot & 1)

@@ -1,0 +1,186 @@
+"""A paged KV block pool with prefix caching, as vLLM v1's ``BlockPool`` does it. Pure.
+
+- Full blocks get an engine hash (parent hash, tokens, extra keys) and stay cached after their request
+  frees them; a free queue ordered oldest-freed first supplies new blocks, evicting the cached block it
+  hands out (``BlockRemoved``). Blocks are freed tail first, so a prefix outlives its extensions.
+- Optional CPU tier: a cached GPU block evicted from the pool is offloaded there (``BlockStored`` with
+  ``medium: CPU``), kept LRU within its own capacity (``BlockRemoved`` CPU when dropped). A prefix hit in
+  the CPU tier is loaded back into a GPU block (charged by the timing model).
+- Every change that vLLM would publish is appended to ``pending_events`` for the engine to batch per step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.events.codec import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+
+NONE_HASH = 0
+
+
+def engine_block_hash(parent: int | None, tokens: Sequence[int], extra: tuple[Any, ...] | None) -> int:
+    """The engine's own hash (sha256, last 8 bytes, as vLLM's default). Deliberately not the router's key."""
+    h = hashlib.sha256(repr((parent or NONE_HASH, tuple(tokens), extra)).encode()).digest()
+    return int.from_bytes(h[-8:], "big")
+
+
+@dataclass(slots=True)
+class CachedBlock:
+    """What is known of a full block's content: enough to publish it and to offload it."""
+
+    hash: int
+    parent: int | None
+    tokens: tuple[int, ...]
+    extra: tuple[Any, ...] | None
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    cached: CachedBlock | None = None
+
+
+@dataclass
+class BlockPool:
+    num_blocks: int
+    block_size: int
+    cpu_blocks: int = 0
+    blocks: list[Block] = field(init=False)
+    free: OrderedDict[int, None] = field(init=False)  # block ids, oldest-freed first
+    cached: dict[int, int] = field(init=False)  # engine hash -> block id (GPU)
+    cpu: OrderedDict[int, CachedBlock] = field(init=False)  # engine hash -> content, LRU first
+    pending_events: list[KvEvent] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        self.free = OrderedDict((i, None) for i in range(self.num_blocks))
+        self.cached = {}
+        self.cpu = OrderedDict()
+        self.pending_events = []
+
+    # ---- queries -----------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def lookup(self, hashes: Sequence[int]) -> tuple[list[int], int]:
+        """Longest cached prefix: GPU block ids hit, then how many further blocks the CPU tier holds."""
+        gpu: list[int] = []
+        for h in hashes:
+            bid = self.cached.get(h)
+            if bid is None:
+                break
+            gpu.append(bid)
+        cpu_hits = 0
+        for h in hashes[len(gpu) :]:
+            if h not in self.cpu:
+                break
+            cpu_hits += 1
+        return gpu, cpu_hits
+
+    # ---- allocation --------------------------------------------------------------------------
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take a reference on hit blocks (pulling free ones out of the free queue)."""
+        for bid in block_ids:
+            b = self.blocks[bid]
+            if b.ref_cnt == 0:
+                del self.free[bid]
+            b.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise MemoryError(f"need {n} blocks, {len(self.free)} free")
+        out = []
+        for _ in range(n):
+            bid, _ = self.free.popitem(last=False)
+            b = self.blocks[bid]
+            if b.cached is not None:
+                self._evict(b)
+            b.ref_cnt = 1
+            out.append(bid)
+        return out
+
+    def _evict(self, b: Block) -> None:
+        c = b.cached
+        assert c is not None
+        del self.cached[c.hash]
+        b.cached = None
+        self.pending_events.append(BlockRemoved([c.hash], "GPU", 0))
+        if self.cpu_blocks and c.hash not in self.cpu:
+            self.cpu[c.hash] = c
+            self.pending_events.append(self._stored_event([c], "CPU"))
+            if len(self.cpu) > self.cpu_blocks:
+                old, _ = self.cpu.popitem(last=False)
+                self.pending_events.append(BlockRemoved([old], "CPU", 0))
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        """Release a request's blocks, tail first, so its prefix is evicted last."""
+        for bid in reversed(block_ids):
+            b = self.blocks[bid]
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free[bid] = None
+
+    def cache_full_blocks(self, block_ids: Sequence[int], contents: Sequence[CachedBlock]) -> None:
+        """Blocks just filled: register them for reuse and publish them (one event per call)."""
+        new: list[CachedBlock] = []
+        for bid, c in zip(block_ids, contents, strict=True):
+            b = self.blocks[bid]
+            if b.cached is not None:
+                continue
+            if c.hash in self.cached:  # computed twice concurrently: keep the first copy
+                continue
+            b.cached = c
+            self.cached[c.hash] = bid
+            new.append(c)
+            if c.hash in self.cpu:
+                self.cpu.move_to_end(c.hash)
+        # one event per run of consecutive blocks (a skipped block breaks the parent chain)
+        run: list[CachedBlock] = []
+        for c in new:
+            if run and c.parent != run[-1].hash:
+                self.pending_events.append(self._stored_event(run, "GPU"))
+                run = []
+            run.append(c)
+        if run:
+            self.pending_events.append(self._stored_event(run, "GPU"))
+
+    def load_from_cpu(self, contents: Sequence[CachedBlock]) -> list[int]:
+        """Bring CPU-tier hits back into fresh GPU blocks (they stay in the CPU tier too)."""
+        for c in contents:  # most recent first, so offloads made by this allocation do not drop them
+            self.cpu.move_to_end(c.hash)
+        bids = self.allocate(len(contents))
+        self.cache_full_blocks(bids, contents)
+        return bids
+
+    def _stored_event(self, contents: Sequence[CachedBlock], medium: str) -> BlockStored:
+        tokens = [t for c in contents for t in c.tokens]
+        extras = [list(c.extra) if c.extra else None for c in contents]
+        return BlockStored(
+            [c.hash for c in contents], contents[0].parent, tokens, self.block_size, None, medium,
+            None, extras, 0, "full_attention",
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM refuses while blocks are in use; otherwise forget every cached block."""
+        if any(b.ref_cnt for b in self.blocks):
+            return False
+        for b in self.blocks:
+            b.cached = None
+        self.cached.clear()
+        self.cpu.clear()
+        self.pending_events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KvEvent]:
+        events, self.pending_events = self.pending_events, []
+        return events

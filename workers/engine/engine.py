@@ -1,0 +1,290 @@
+"""The one engine model: block pool + continuous-batching scheduler + timing. Pure, clock-agnostic.
+
+``step(now)`` schedules one engine step (a token budget shared by decodes first, then chunked prefills,
+then newly admitted requests), applies it, and returns how long it took, the KV events vLLM would publish
+for it and the tokens it produced. The simulator advances a virtual clock by that duration; the live
+simulated worker sleeps it (scaled). Neither forks this code.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from router.events.codec import KvEvent
+from workers.engine.block_pool import BlockPool, CachedBlock, engine_block_hash
+from workers.engine.timing import TimingModel
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_gpu_blocks: int = 2048
+    block_size: int = 16
+    cpu_blocks: int = 0
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int = 131072
+    vocab_size: int = 32000
+    timing: TimingModel = field(default_factory=TimingModel)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    arrival: float = 0.0
+    tokens: list[int] = field(init=False)
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int | None = None  # prompt tokens served from cache, fixed at first admission
+    load_back_tokens: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    status: Status = Status.WAITING
+    _seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt)
+        self._seed = xxhash.xxh3_64_intdigest(repr(self.prompt).encode())
+
+    def extra(self, block_index: int) -> tuple[Any, ...] | None:
+        base: tuple[Any, ...] = (self.lora_name,) if self.lora_name else ()
+        if block_index == 0 and self.cache_salt:
+            return (*base, self.cache_salt)
+        return base or None
+
+    def next_token(self, vocab: int) -> int:
+        """Synthetic, deterministic in (prompt, position): same output cached or not, as at temperature 0."""
+        return (self._seed + 2654435761 * (len(self.output) + 1)) % vocab
+
+
+@dataclass(frozen=True, slots=True)
+class TokenOutput:
+    request: EngineRequest
+    token: int
+    first: bool
+    finished: bool
+
+
+@dataclass(slots=True)
+class StepResult:
+    duration_s: float
+    events: list[KvEvent]
+    outputs: list[TokenOutput]
+    prefill_tokens: int = 0
+    decode_reqs: int = 0
+
+
+@dataclass
+class EngineStats:
+    prefix_queries_tokens: int = 0
+    prefix_hits_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    finished: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class EngineModel:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        c = self.config
+        self.pool = BlockPool(c.num_gpu_blocks, c.block_size, c.cpu_blocks)
+        self.timing = c.timing
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.stats = EngineStats()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, req: EngineRequest) -> None:
+        if not req.prompt:
+            raise ValueError("empty prompt")
+        if len(req.prompt) + req.max_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({len(req.prompt)}) + max_tokens ({req.max_tokens}) exceeds max_model_len "
+                f"{self.config.max_model_len}"
+            )
+        need = -(-(len(req.prompt) + req.max_tokens) // self.config.block_size)
+        if need > self.config.num_gpu_blocks:
+            raise ValueError(f"request needs {need} KV blocks, the engine has {self.config.num_gpu_blocks}")
+        self.waiting.append(req)
+
+    def abort(self, req: EngineRequest) -> None:
+        if req.status is Status.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        elif req.status is Status.RUNNING:
+            self.running.remove(req)
+            self.pool.free_blocks(req.block_ids)
+            req.block_ids = []
+        req.status = Status.ABORTED
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.pool.usage
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KvEvent]:
+        """Events not tied to a step (a prefix-cache reset while idle)."""
+        return self.pool.take_events()
+
+    # ---- hashing -----------------------------------------------------------------------------
+    def _hashes_upto(self, req: EngineRequest, n_blocks: int) -> list[int]:
+        bs = self.config.block_size
+        hs = req.block_hashes
+        while len(hs) < n_blocks:
+            i = len(hs)
+            hs.append(engine_block_hash(hs[-1] if hs else None, req.tokens[i * bs : (i + 1) * bs], req.extra(i)))
+        return hs
+
+    def _content(self, req: EngineRequest, i: int) -> CachedBlock:
+        bs = self.config.block_size
+        hs = self._hashes_upto(req, i + 1)
+        return CachedBlock(hs[i], hs[i - 1] if i else None, tuple(req.tokens[i * bs : (i + 1) * bs]), req.extra(i))
+
+    # ---- scheduling --------------------------------------------------------------------------
+    def _blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.config.block_size)
+
+    def _preempt(self, victim: EngineRequest) -> None:
+        self.running.remove(victim)
+        self.pool.free_blocks(victim.block_ids)
+        victim.block_ids = []
+        victim.num_computed = 0
+        victim.status = Status.WAITING
+        self.waiting.appendleft(victim)
+        self.stats.preemptions += 1
+
+    def _admit(self, req: EngineRequest, budget: int) -> tuple[int, int]:
+        """Try to start a waiting request: (tokens scheduled, tokens loaded back from CPU); 0 = not admitted."""
+        bs = self.config.block_size
+        max_hit_blocks = (len(req.tokens) - 1) // bs  # the last token is always computed
+        hashes = self._hashes_upto(req, max_hit_blocks)
+        gpu_hits, cpu_hits = self.pool.lookup(hashes)
+        hit_blocks = len(gpu_hits) + cpu_hits
+        cached = hit_blocks * bs
+        n = min(len(req.tokens) - cached, budget)
+        new_blocks = self._blocks_for(cached + n) - hit_blocks
+        free_after_touch = self.pool.num_free - sum(1 for b in gpu_hits if self.pool.blocks[b].ref_cnt == 0)
+        if new_blocks + cpu_hits > free_after_touch:
+            return 0, 0
+        self.pool.touch(gpu_hits)
+        loaded = self.pool.load_from_cpu([self._content(req, i) for i in range(len(gpu_hits), hit_blocks)])
+        req.block_ids = gpu_hits + loaded + self.pool.allocate(new_blocks)
+        req.num_computed = cached
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = cached
+            req.load_back_tokens = cpu_hits * bs
+            self.stats.prefix_queries_tokens += len(req.prompt)
+            self.stats.prefix_hits_tokens += cached
+            self.stats.prompt_tokens += len(req.prompt)
+        req.status = Status.RUNNING
+        self.running.append(req)
+        return n, cpu_hits * bs
+
+    def _grow(self, req: EngineRequest, n: int) -> bool:
+        """Make room for ``n`` more tokens, preempting lower-priority (later) requests, else ``req`` itself."""
+        need = self._blocks_for(req.num_computed + n) - len(req.block_ids)
+        while need > self.pool.num_free:
+            if self.running[-1] is req:
+                self._preempt(req)
+                return False
+            self._preempt(self.running[-1])
+        if need > 0:
+            req.block_ids += self.pool.allocate(need)
+        return True
+
+    def step(self, now: float) -> StepResult:
+        c = self.config
+        budget = c.max_num_batched_tokens
+        scheduled: list[tuple[EngineRequest, int]] = []
+        prefill_tokens = decode_reqs = load_back = 0
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(len(req.tokens) - req.num_computed, budget)
+            if n <= 0 or not self._grow(req, n):
+                continue
+            scheduled.append((req, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
+            req = self.waiting[0]
+            n, loaded = self._admit(req, budget)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            scheduled.append((req, n))
+            load_back += loaded
+            budget -= n
+        for req, n in scheduled:
+            if n == 1 and req.output:
+                decode_reqs += 1
+            else:
+                prefill_tokens += n
+        usage = self.pool.usage
+        duration = self.timing.step_ms(prefill_tokens, decode_reqs, usage, load_back) / 1000.0
+        end = now + duration
+        outputs = self._apply(scheduled, end)
+        self.stats.steps += 1
+        return StepResult(duration, self.pool.take_events(), outputs, prefill_tokens, decode_reqs)
+
+    def _apply(self, scheduled: list[tuple[EngineRequest, int]], end: float) -> list[TokenOutput]:
+        bs = self.config.block_size
+        outputs: list[TokenOutput] = []
+        for req, n in scheduled:
+            before_full = req.num_computed // bs
+            req.num_computed += n
+            after_full = req.num_computed // bs
+            if after_full > before_full:
+                idx = range(before_full, after_full)
+                self.pool.cache_full_blocks([req.block_ids[i] for i in idx], [self._content(req, i) for i in idx])
+            if req.num_computed < len(req.tokens):
+                continue  # chunked prefill: more to do
+            token = req.next_token(self.config.vocab_size)
+            req.output.append(token)
+            req.tokens.append(token)
+            self.stats.generation_tokens += 1
+            first = req.first_token_at is None
+            if first:
+                req.first_token_at = end
+            done = len(req.output) >= req.max_tokens
+            if done:
+                req.finished_at = end
+                req.status = Status.FINISHED
+                self.running.remove(req)
+                self.pool.free_blocks(req.block_ids)
+                self.stats.finished += 1
+            outputs.append(TokenOutput(req, token, first, done))
+        return outputs
