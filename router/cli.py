@@ -33,6 +33,18 @@ def _bench_index(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _worker_sim(args: argparse.Namespace) -> int:
+    from workers.sim.cli import run
+
+    return run(args)
+
+
+def _bench_worker(args: argparse.Namespace) -> int:
+    from router.bench.worker_bench import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description="Cache-aware request router for LLM fleets.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,12 +56,23 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--json", action="store_true", help="print JSON with stable keys")
     rep.set_defaults(handler=_index_replay)
 
+    worker = sub.add_parser("worker", help="run a worker").add_subparsers(dest="sub", required=True)
+    ws = worker.add_parser("sim", help="simulated vLLM worker (OpenAI API + KV events) on the engine model")
+    from workers.sim.cli import add_arguments
+
+    add_arguments(ws)
+    ws.set_defaults(handler=_worker_sim)
+
     bench = sub.add_parser("bench", help="benchmarks that print a table (or --json)")
     bsub = bench.add_subparsers(dest="sub", required=True)
     bi = bsub.add_parser("index", help="event ingest rate, match latency, index memory")
     bi.add_argument("--json", action="store_true")
     bi.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
     bi.set_defaults(handler=_bench_index)
+    bw = bsub.add_parser("worker", help="simulated worker requests/s at time-scale 0 on one core")
+    bw.add_argument("--json", action="store_true")
+    bw.add_argument("--quick", action="store_true")
+    bw.set_defaults(handler=_bench_worker)
     return parser
 
 

@@ -1,0 +1,111 @@
+"""Shared pieces of the HTTP benchmarks: start servers as processes, drive load, summarise latencies."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pinned(cmd: list[str], core: int | None) -> list[str]:
+    """Pin a server to one core (when taskset exists) so 'one core' figures mean one core."""
+    if core is None or not shutil.which("taskset") or (os.cpu_count() or 1) <= core:
+        return cmd
+    return ["taskset", "-c", str(core), *cmd]
+
+
+@contextlib.contextmanager
+def server_process(args: Sequence[str], port: int, core: int | None = None,
+                   health: str = "/health", timeout: float = 30.0) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``python -m router.cli ARGS`` (or a module) until it answers ``health``; stop it afterwards."""
+    proc = subprocess.Popen(pinned([sys.executable, *args], core), stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{args} did not start (exit {proc.poll()})") from None
+                time.sleep(0.05)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@dataclass
+class LoadResult:
+    latencies_ms: list[float]
+    elapsed_s: float
+    errors: int
+    responses: list[dict[str, Any]]
+
+    @property
+    def rps(self) -> float:
+        return len(self.latencies_ms) / self.elapsed_s if self.elapsed_s else 0.0
+
+    def pct(self, q: float) -> float:
+        xs = sorted(self.latencies_ms)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+    @property
+    def p50(self) -> float:
+        return statistics.median(self.latencies_ms) if self.latencies_ms else float("nan")
+
+
+async def drive(url: str, bodies: Sequence[dict[str, Any]], concurrency: int,
+                headers: dict[str, str] | None = None, keep: bool = False) -> LoadResult:
+    """POST every body once, ``concurrency`` at a time; latency is to the full response."""
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    for b in bodies:
+        queue.put_nowait(b)
+    lat: list[float] = []
+    out: list[dict[str, Any]] = []
+    errors = 0
+    conn = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    async with aiohttp.ClientSession(connector=conn, headers=headers) as session:
+
+        async def worker() -> None:
+            nonlocal errors
+            while not queue.empty():
+                body = queue.get_nowait()
+                t0 = time.perf_counter()
+                try:
+                    async with session.post(url, json=body) as r:
+                        data = await r.json(content_type=None)
+                        if r.status != 200:
+                            errors += 1
+                            continue
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    errors += 1
+                    continue
+                lat.append((time.perf_counter() - t0) * 1e3)
+                if keep:
+                    out.append(data)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+    return LoadResult(lat, elapsed, errors, out)
