@@ -99,7 +99,7 @@ async def test_metrics_parse_with_vllm_names_and_tokenize_matches():
                 await post(s, w.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
             async with s.get(w.url + "/metrics") as r:
                 text = await r.text()
-            st, tok = await post(s, w.url + "/tokenize", {"prompt": PROMPT})
+            _st, tok = await post(s, w.url + "/tokenize", {"prompt": PROMPT})
             assert tok["tokens"] == load_tokenizer().encode(PROMPT) and tok["count"] == len(tok["tokens"])
             async with s.get(w.url + "/health") as r:
                 assert r.status == 200

@@ -98,7 +98,7 @@ async def drive(url: str, bodies: Sequence[dict[str, Any]], concurrency: int,
                         if r.status != 200:
                             errors += 1
                             continue
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     errors += 1
                     continue
                 lat.append((time.perf_counter() - t0) * 1e3)

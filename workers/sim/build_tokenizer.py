@@ -24,7 +24,8 @@ def corpus(n_lines: int = 20000, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
              for _ in range(3000)]
-    words += "the a of to and in is you that it for system user assistant document question answer".split()
+    words += ["the", "a", "of", "to", "and", "in", "is", "you", "that", "it", "for"]
+    words += ["system", "user", "assistant", "document", "question", "answer"]
     return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) for _ in range(n_lines)]
 
 
