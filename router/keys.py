@@ -42,9 +42,11 @@ def request_extras(num_blocks: int, lora_name: str | None = None, cache_salt: st
     return extras
 
 
-def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+def _token_bytes(token_ids: Sequence[int] | np.ndarray | array) -> bytes:
     if isinstance(token_ids, np.ndarray):
         return np.ascontiguousarray(token_ids, dtype="<u4").tobytes()
+    if isinstance(token_ids, array) and token_ids.typecode == "I":
+        return token_ids.tobytes()
     return array("I", token_ids).tobytes()
 
 

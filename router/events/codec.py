@@ -187,6 +187,8 @@ def vllm_event_map(event: KvEvent) -> dict[str, Any]:
     out: dict[str, Any] = {"type": type(event).__name__}
     for name in _VLLM_FIELDS[type(event)]:
         out[name] = getattr(event, name)
+    if isinstance(event, BlockStored) and not isinstance(event.token_ids, list):
+        out["token_ids"] = list(event.token_ids)  # in-process producers may hold an array('I')
     return out
 
 

@@ -11,21 +11,32 @@
 
 from __future__ import annotations
 
-import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from router.events.codec import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
-NONE_HASH = 0
+NONE_HASH = 0x5EED_0F_E9_61_9E  # the engine's own root, unlike the router's
+_MIX = 0xD6E8FEB86659FD93
+_MASK = (1 << 64) - 1
 
 
-def engine_block_hash(parent: int | None, tokens: Sequence[int], extra: tuple[Any, ...] | None) -> int:
-    """The engine's own hash (sha256, last 8 bytes, as vLLM's default). Deliberately not the router's key."""
-    h = hashlib.sha256(repr((parent or NONE_HASH, tuple(tokens), extra)).encode()).digest()
-    return int.from_bytes(h[-8:], "big")
+def engine_block_hash(parent: int | None, tokens: bytes | memoryview, extra: tuple[Any, ...] | None) -> int:
+    """The engine's own block hash, as vLLM's ``xxhash`` option: (parent, tokens, extra keys) -> 64 bits.
+
+    ``tokens`` are the block's uint32 token ids as bytes. Deliberately another function than the router's
+    keys (other root, parent mixed differently): the router must resolve blocks from the events' token ids,
+    never by reproducing the engine's hash.
+    """
+    seed = ((parent if parent is not None else NONE_HASH) * _MIX) & _MASK
+    if extra:
+        seed ^= xxhash.xxh3_64_intdigest(repr(extra).encode())
+    return xxhash.xxh3_64_intdigest(tokens, seed)
 
 
 @dataclass(slots=True)
@@ -34,7 +45,7 @@ class CachedBlock:
 
     hash: int
     parent: int | None
-    tokens: tuple[int, ...]
+    tokens: bytes | memoryview  # block_size uint32 token ids
     extra: tuple[Any, ...] | None
 
 
@@ -163,7 +174,7 @@ class BlockPool:
         return bids
 
     def _stored_event(self, contents: Sequence[CachedBlock], medium: str) -> BlockStored:
-        tokens = [t for c in contents for t in c.tokens]
+        tokens = array("I", b"".join(c.tokens for c in contents))  # list-like; the codec sends it as a list
         extras = [list(c.extra) if c.extra else None for c in contents]
         return BlockStored(
             [c.hash for c in contents], contents[0].parent, tokens, self.block_size, None, medium,

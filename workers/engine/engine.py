@@ -9,10 +9,12 @@ simulated worker sleeps it (scaled). Neither forks this code.
 from __future__ import annotations
 
 import enum
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from router.events.codec import KvEvent
@@ -42,26 +44,40 @@ class Status(enum.Enum):
 @dataclass(eq=False)
 class EngineRequest:
     request_id: str
-    prompt: list[int]
+    prompt: np.ndarray  # uint32 token ids (a list is converted)
     max_tokens: int
     cache_salt: str | None = None
     lora_name: str | None = None
     arrival: float = 0.0
-    tokens: list[int] = field(init=False)
     output: list[int] = field(default_factory=list)
     num_computed: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    block_tokens: list[bytes | memoryview] = field(default_factory=list)  # per full block, beside its hash
     num_cached_tokens: int | None = None  # prompt tokens served from cache, fixed at first admission
     load_back_tokens: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
     status: Status = Status.WAITING
     _seed: int = 0
+    _prompt_bytes: memoryview = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.tokens = list(self.prompt)
-        self._seed = xxhash.xxh3_64_intdigest(repr(self.prompt).encode())
+        self.prompt = np.asarray(self.prompt, dtype=np.uint32)
+        self._prompt_bytes = memoryview(self.prompt.tobytes())
+        self._seed = xxhash.xxh3_64_intdigest(self._prompt_bytes)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def token_bytes(self, start: int, end: int) -> bytes | memoryview:
+        """Tokens [start, end) of prompt + output as uint32 bytes, without materialising the sequence."""
+        n = len(self.prompt)
+        if end <= n:
+            return self._prompt_bytes[start * 4 : end * 4]
+        tail = array("I", self.output[max(start - n, 0) : end - n]).tobytes()
+        return tail if start >= n else bytes(self._prompt_bytes[start * 4 :]) + tail
 
     def extra(self, block_index: int) -> tuple[Any, ...] | None:
         base: tuple[Any, ...] = (self.lora_name,) if self.lora_name else ()
@@ -80,6 +96,7 @@ class TokenOutput:
     token: int
     first: bool
     finished: bool
+    count: int = 1  # tokens this output stands for (several after a fast-forwarded decode run)
 
 
 @dataclass(slots=True)
@@ -114,7 +131,7 @@ class EngineModel:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
-        if not req.prompt:
+        if not len(req.prompt):
             raise ValueError("empty prompt")
         if len(req.prompt) + req.max_tokens > self.config.max_model_len:
             raise ValueError(
@@ -164,13 +181,14 @@ class EngineModel:
         hs = req.block_hashes
         while len(hs) < n_blocks:
             i = len(hs)
-            hs.append(engine_block_hash(hs[-1] if hs else None, req.tokens[i * bs : (i + 1) * bs], req.extra(i)))
+            data = req.token_bytes(i * bs, (i + 1) * bs)
+            hs.append(engine_block_hash(hs[-1] if hs else None, data, req.extra(i)))
+            req.block_tokens.append(data)
         return hs
 
     def _content(self, req: EngineRequest, i: int) -> CachedBlock:
-        bs = self.config.block_size
         hs = self._hashes_upto(req, i + 1)
-        return CachedBlock(hs[i], hs[i - 1] if i else None, tuple(req.tokens[i * bs : (i + 1) * bs]), req.extra(i))
+        return CachedBlock(hs[i], hs[i - 1] if i else None, req.block_tokens[i], req.extra(i))
 
     # ---- scheduling --------------------------------------------------------------------------
     def _blocks_for(self, n_tokens: int) -> int:
@@ -188,12 +206,12 @@ class EngineModel:
     def _admit(self, req: EngineRequest, budget: int) -> tuple[int, int]:
         """Try to start a waiting request: (tokens scheduled, tokens loaded back from CPU); 0 = not admitted."""
         bs = self.config.block_size
-        max_hit_blocks = (len(req.tokens) - 1) // bs  # the last token is always computed
+        max_hit_blocks = (req.num_tokens - 1) // bs  # the last token is always computed
         hashes = self._hashes_upto(req, max_hit_blocks)
         gpu_hits, cpu_hits = self.pool.lookup(hashes)
         hit_blocks = len(gpu_hits) + cpu_hits
         cached = hit_blocks * bs
-        n = min(len(req.tokens) - cached, budget)
+        n = min(req.num_tokens - cached, budget)
         new_blocks = self._blocks_for(cached + n) - hit_blocks
         free_after_touch = self.pool.num_free - sum(1 for b in gpu_hits if self.pool.blocks[b].ref_cnt == 0)
         if new_blocks + cpu_hits > free_after_touch:
@@ -224,7 +242,15 @@ class EngineModel:
             req.block_ids += self.pool.allocate(need)
         return True
 
-    def step(self, now: float) -> StepResult:
+    def step(self, now: float, until: float | None = None) -> StepResult:
+        """One engine step starting at ``now``.
+
+        ``until``: the driver promises nothing will reach this engine before that time (the simulator knows
+        its next arrival). A step that is pure decode may then fast-forward through several identical decode
+        steps at once, stopping before ``until``, before any request finishes and before memory runs out;
+        the result is the same as stepping one at a time, except that the KV events of the run are
+        published once, at its end, and KV usage is taken as at its start.
+        """
         c = self.config
         budget = c.max_num_batched_tokens
         scheduled: list[tuple[EngineRequest, int]] = []
@@ -234,7 +260,7 @@ class EngineModel:
                 break
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(len(req.tokens) - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed, budget)
             if n <= 0 or not self._grow(req, n):
                 continue
             scheduled.append((req, n))
@@ -255,10 +281,55 @@ class EngineModel:
                 prefill_tokens += n
         usage = self.pool.usage
         duration = self.timing.step_ms(prefill_tokens, decode_reqs, usage, load_back) / 1000.0
+        if until is not None and not prefill_tokens and not self.waiting and decode_reqs == len(self.running):
+            k = self._decode_run_length(now, until, duration)
+            if k > 1:
+                return self._decode_run(k, duration, now)
         end = now + duration
         outputs = self._apply(scheduled, end)
         self.stats.steps += 1
         return StepResult(duration, self.pool.take_events(), outputs, prefill_tokens, decode_reqs)
+
+    def _decode_run_length(self, now: float, until: float, step_s: float) -> int:
+        if step_s <= 0:
+            return 1
+        k = min(min(r.max_tokens - len(r.output) for r in self.running), int(min((until - now) / step_s, 1e9)))
+        if k <= 1:
+            return 1
+        # blocks for k tokens each (the first step's are already allocated by _grow)
+        need = sum(self._blocks_for(r.num_computed + k) - len(r.block_ids) for r in self.running)
+        return k if need <= self.pool.num_free else 1
+
+    def _decode_run(self, k: int, step_s: float, now: float) -> StepResult:
+        bs = self.config.block_size
+        vocab = self.config.vocab_size
+        outputs: list[TokenOutput] = []
+        for req in list(self.running):
+            extra = self._blocks_for(req.num_computed + k) - len(req.block_ids)
+            if extra > 0:
+                req.block_ids += self.pool.allocate(extra)
+            before_full = req.num_computed // bs
+            for _ in range(k):  # the KV of each token is computed by the step that samples the next one
+                req.output.append(req.next_token(vocab))
+            req.num_computed += k
+            after_full = req.num_computed // bs
+            if after_full > before_full:
+                idx = range(before_full, after_full)
+                self.pool.cache_full_blocks([req.block_ids[i] for i in idx], [self._content(req, i) for i in idx])
+            self.stats.generation_tokens += k
+            done = len(req.output) >= req.max_tokens
+            if done:
+                self._finish(req, now + k * step_s)
+            outputs.append(TokenOutput(req, req.output[-1], False, done, k))
+        self.stats.steps += k
+        return StepResult(k * step_s, self.pool.take_events(), outputs, 0, len(outputs))
+
+    def _finish(self, req: EngineRequest, end: float) -> None:
+        req.finished_at = end
+        req.status = Status.FINISHED
+        self.running.remove(req)
+        self.pool.free_blocks(req.block_ids)
+        self.stats.finished += 1
 
     def _apply(self, scheduled: list[tuple[EngineRequest, int]], end: float) -> list[TokenOutput]:
         bs = self.config.block_size
@@ -270,21 +341,16 @@ class EngineModel:
             if after_full > before_full:
                 idx = range(before_full, after_full)
                 self.pool.cache_full_blocks([req.block_ids[i] for i in idx], [self._content(req, i) for i in idx])
-            if req.num_computed < len(req.tokens):
+            if req.num_computed < req.num_tokens:
                 continue  # chunked prefill: more to do
             token = req.next_token(self.config.vocab_size)
             req.output.append(token)
-            req.tokens.append(token)
             self.stats.generation_tokens += 1
             first = req.first_token_at is None
             if first:
                 req.first_token_at = end
             done = len(req.output) >= req.max_tokens
             if done:
-                req.finished_at = end
-                req.status = Status.FINISHED
-                self.running.remove(req)
-                self.pool.free_blocks(req.block_ids)
-                self.stats.finished += 1
+                self._finish(req, end)
             outputs.append(TokenOutput(req, token, first, done))
         return outputs

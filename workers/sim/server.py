@@ -137,7 +137,16 @@ class SimWorker:
                 await self._wake.wait()
                 continue
             started = time.monotonic()
-            result = self.engine.step(started)
+            try:
+                result = self.engine.step(started)
+            except Exception:  # a model bug must fail the requests, not hang them
+                log.exception("engine step failed; failing in-flight requests")
+                for req in list(self.engine.running) + list(self.engine.waiting):
+                    self.engine.abort(req)
+                    q = self._queues.get(req)
+                    if q is not None:
+                        q.put_nowait(None)
+                continue
             delay = result.duration_s * self.time_scale * self.faults.slowdown
             if delay > 0:
                 # sleep what the model says the step took, minus what computing it already cost
@@ -261,7 +270,7 @@ class SimWorker:
         while True:
             out = await queue.get()
             if out is None:
-                return error(503, "the engine restarted while serving this request", "ServiceUnavailableError")
+                return error(503, "the engine stopped serving this request", "ServiceUnavailableError")
             if out.first:
                 self._record_ttft(req)
             tokens.append(out.token)

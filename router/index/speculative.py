@@ -1,0 +1,53 @@
+"""Short-lived guesses of what a worker is about to cache. Pure: callers pass ``now``.
+
+When the router sends a request to a worker, that worker will hold the request's blocks a prefill later,
+but the events only arrive then. Recording the routed keys for a short TTL lets a burst of identical
+prefixes follow the first one instead of all landing on cold workers before the first events arrive.
+
+Each key remembers only the worker it was most recently sent to. Keys are prefix-closed (a key names its
+whole prefix), so a worker owning key i was sent keys 0..i too: its speculative prefix is i + 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class SpeculativePrefixes:
+    def __init__(self, ttl_s: float = 2.0, max_entries: int = 1_000_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._owner: dict[int, tuple[str, float]] = {}  # key -> (worker, expiry)
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def record(self, worker_id: str, keys: Sequence[int], now: float) -> None:
+        if self.ttl_s <= 0 or not keys:
+            return
+        if len(self._owner) + len(keys) > self.max_entries:
+            self._purge(now)
+        entry = (worker_id, now + self.ttl_s)
+        owner = self._owner
+        for k in keys:
+            owner[k] = entry
+
+    def match(self, keys: Sequence[int], now: float) -> dict[str, int]:
+        """Each worker's longest prefix of ``keys`` routed to it within the TTL."""
+        out: dict[str, int] = {}
+        owner = self._owner
+        for i, k in enumerate(keys):
+            entry = owner.get(k)
+            if entry is None or entry[1] <= now:
+                break
+            out[entry[0]] = i + 1
+        return out
+
+    def forget_worker(self, worker_id: str) -> None:
+        self._owner = {k: v for k, v in self._owner.items() if v[0] != worker_id}
+
+    def _purge(self, now: float) -> None:
+        self._owner = {k: v for k, v in self._owner.items() if v[1] > now}
+        if len(self._owner) > self.max_entries // 2:  # all still live: keep the newest half
+            live = sorted(self._owner.items(), key=lambda kv: kv[1][1])
+            self._owner = dict(live[len(live) // 2 :])

@@ -1,0 +1,46 @@
+"""Engine metrics as load signals: parse vLLM's and SGLang's Prometheus text. Pure.
+
+A snapshot carries its scrape time; ``fresh()`` returns None past ``max_age_s`` so stale metrics count as
+unknown, never as zero (a dead scrape must not make a busy worker look idle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# engine metric name -> our field; vLLM first, SGLang's names beside them
+_NAMES = {
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",  # vLLM < 0.10
+    "sglang:num_queue_reqs": "waiting",
+    "sglang:num_running_reqs": "running",
+    "sglang:token_usage": "kv_usage",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    waiting: float | None
+    running: float | None
+    kv_usage: float | None
+    scraped_at: float
+
+    def fresh(self, now: float, max_age_s: float) -> EngineMetrics | None:
+        return self if now - self.scraped_at <= max_age_s else None
+
+
+def parse_engine_metrics(text: str, scraped_at: float) -> EngineMetrics:
+    """Sum across label sets (one engine per DP rank may report under one endpoint)."""
+    found: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        field = _NAMES.get(fam.name)
+        if field is None:
+            continue
+        for s in fam.samples:
+            if s.name == fam.name:
+                found[field] = found.get(field, 0.0) + s.value
+    return EngineMetrics(found.get("waiting"), found.get("running"), found.get("kv_usage"), scraped_at)

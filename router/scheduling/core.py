@@ -1,0 +1,173 @@
+"""The routing core: filters, then a policy's ranking, with the reasons kept. Pure: callers pass ``now``.
+
+The proxy, the endpoint picker and the simulator all hold one ``RoutingCore`` and call ``decide`` per
+request, then ``dispatched`` / ``first_token`` / ``completed`` as the request moves. The index is fed
+separately (``IndexFeeder``); the core only reads it, and gives a worker prefix credit only while its
+index is synced and fresh.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from router.events.feed import IndexFeeder
+from router.index import KvIndex, PrefixMatch
+from router.index.speculative import SpeculativePrefixes
+from router.load import EngineMetrics, LoadTracker
+from router.scheduling.cost import CostModel, CostParams
+from router.scheduling.filters import FILTERS, SATURATED
+from router.scheduling.policies import POLICIES, Policy
+from router.scheduling.types import CandidateReport, Decision, Endpoint, RouteRequest
+
+
+@dataclass
+class RoutingConfig:
+    policy: str = "precise"
+    block_size: int = 16
+    stale_after_s: float = 10.0  # no events this long while taking requests: no prefix credit
+    speculative_ttl_s: float = 2.0
+    max_inflight_requests: int | None = 512
+    max_inflight_tokens: int | None = None
+    metrics_max_age_s: float = 2.0
+    approx_capacity_blocks: int = 2_000_000
+    cost: CostParams = field(default_factory=CostParams)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+
+
+class RoutingCore:
+    def __init__(self, config: RoutingConfig | None = None, feeder: IndexFeeder | None = None) -> None:
+        self.config = config or RoutingConfig()
+        self.feeder = feeder or IndexFeeder(KvIndex(), block_size=self.config.block_size)
+        self.index = self.feeder.index
+        self.load = LoadTracker()
+        self.cost = CostModel(self.config.cost)
+        self.speculative = SpeculativePrefixes(self.config.speculative_ttl_s)
+        self.metrics: dict[str, EngineMetrics] = {}
+        self.endpoints: dict[str, Endpoint] = {}
+        self.rng = random.Random(self.config.seed)
+        self.policy: Policy = POLICIES[self.config.policy](self)
+        self._now = 0.0
+
+    # ---- fleet -------------------------------------------------------------------------------
+    def upsert_endpoint(self, ep: Endpoint) -> None:
+        self.endpoints[ep.worker_id] = ep
+
+    def remove_endpoint(self, worker_id: str) -> None:
+        self.endpoints.pop(worker_id, None)
+        self.feeder.remove_worker(worker_id)
+        self.load.forget_worker(worker_id)
+        self.speculative.forget_worker(worker_id)
+        self.metrics.pop(worker_id, None)
+
+    def update_metrics(self, worker_id: str, metrics: EngineMetrics) -> None:
+        self.metrics[worker_id] = metrics
+
+    def fresh_metrics(self, worker_id: str) -> EngineMetrics | None:
+        m = self.metrics.get(worker_id)
+        return m.fresh(self._now, self.config.metrics_max_age_s) if m else None
+
+    def index_state(self, worker_id: str, now: float) -> str:
+        """synced | unsynced | stale | no-events: only 'synced' earns prefix credit."""
+        ep = self.endpoints.get(worker_id)
+        if ep is not None and not ep.events:
+            return "no-events"
+        feed = self.feeder.feeds.get(worker_id)
+        if feed is None or not feed.synced:
+            return "unsynced" if feed is not None else "no-events"
+        load = self.load.workers.get(worker_id)
+        last_event = feed.last_event_at if feed.last_event_at is not None else float("-inf")
+        if (load is not None and load.last_dispatch_at is not None
+                and load.last_dispatch_at - last_event > self.config.stale_after_s
+                and now - last_event > self.config.stale_after_s):
+            return "stale"  # taking requests, yet no events for too long
+        return "synced"
+
+    # ---- deciding ----------------------------------------------------------------------------
+    def decide(self, req: RouteRequest, now: float) -> Decision:
+        self._now = now
+        policy = self.policy
+        decision = Decision(policy.name)
+        eligible: list[CandidateReport] = []
+        filtered: list[CandidateReport] = []
+        for ep in self.endpoints.values():
+            reason = None
+            for f in FILTERS:
+                reason = f(ep, req, self)
+                if reason:
+                    break
+            report = CandidateReport(ep.worker_id, filtered=reason)
+            (filtered if reason else eligible).append(report)
+        if not eligible:
+            saturated = any(r.filtered == SATURATED for r in filtered)
+            decision.outcome = "shed" if saturated else "no_endpoint"
+            decision.reason = "every eligible worker is saturated" if saturated else (
+                "no eligible endpoint: " + "; ".join(f"{r.worker_id}: {r.filtered}" for r in filtered)
+                if filtered else "no endpoints known")
+            decision.candidates = filtered
+            return decision
+
+        matches = self.index.match(req.keys) if req.keys else {}
+        spec = self.speculative.match(req.keys, now) if req.keys else {}
+        credited = 0
+        for r in eligible:
+            r.state = self.index_state(r.worker_id, now)
+            r.prefix_credit = r.state == "synced"
+            m = matches.get(r.worker_id) if r.prefix_credit else None
+            if m is not None:
+                r.matched_gpu, r.matched_cpu, r.matched_storage = m.gpu, m.cpu, m.storage
+            r.speculative = spec.get(r.worker_id, 0) if r.prefix_credit else 0
+            if r.speculative > r.matched_gpu + r.matched_cpu + r.matched_storage:
+                # blocks on their way to this worker: count them as they will be (on GPU)
+                r.matched_gpu, r.matched_cpu, r.matched_storage = r.speculative, 0, 0
+                m = PrefixMatch(r.speculative)
+            credited += r.prefix_credit
+            load = self.load.workers.get(r.worker_id)
+            r.inflight = load.requests if load else 0
+            est = self.cost.estimate(r.worker_id, req.prompt_tokens, req.block_size, m, load,
+                                     self.fresh_metrics(r.worker_id))
+            r.queue_s, r.prefill_s, r.decode_s, r.ttft_s = est.queue_s, est.prefill_s, est.decode_s, est.ttft_s
+            r.score = r.ttft_s
+        decision.ranked = policy.rank(req, eligible)
+        by_id = {r.worker_id: r for r in eligible}
+        chosen = by_id[decision.ranked[0]]
+        decision.uncached_tokens = req.prompt_tokens - min(
+            (chosen.matched_gpu + chosen.matched_cpu + chosen.matched_storage) * req.block_size,
+            max(req.prompt_tokens - 1, 0))
+        decision.predicted_ttft_s = chosen.ttft_s
+        if policy.uses_prefix and not credited:
+            decision.reason = "load only: no worker's index is synced and fresh"
+        elif policy.uses_prefix:
+            decision.reason = f"min estimated TTFT {chosen.ttft_s * 1e3:.1f} ms"
+        else:
+            decision.reason = policy.name
+        decision.candidates = eligible + filtered
+        return decision
+
+    # ---- request lifecycle ---------------------------------------------------------------------
+    def dispatched(self, req: RouteRequest, worker_id: str, decision: Decision, now: float) -> None:
+        report = next((c for c in decision.candidates if c.worker_id == worker_id), None)
+        if report is not None:
+            hit = (report.matched_gpu + report.matched_cpu + report.matched_storage) * req.block_size
+            uncached = req.prompt_tokens - min(hit, max(req.prompt_tokens - 1, 0))
+            predicted = report.ttft_s
+        else:
+            uncached, predicted = decision.uncached_tokens, decision.predicted_ttft_s
+        self.load.dispatch(req.request_id, worker_id, req.prompt_tokens, uncached, req.max_tokens, now, predicted)
+        if req.keys:
+            self.speculative.record(worker_id, req.keys, now)
+        self.policy.on_dispatch(req, worker_id, now)
+
+    def first_token(self, request_id: str, now: float) -> None:
+        r = self.load.first_token(request_id, now)
+        if r is not None:
+            self.cost.observe(r.worker_id, r.predicted_ttft_s, now - r.dispatched_at)
+
+    def completed(self, request_id: str, now: float) -> None:
+        self.load.complete(request_id, now)

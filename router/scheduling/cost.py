@@ -1,0 +1,98 @@
+"""Estimated time to first token on each candidate: what a prefix hit saves versus what the queue costs.
+
+    ttft = queue wait + prefill(uncached tokens) + load-back(CPU/storage hits) + decode interference
+
+- queue wait: prefill work already sent to the worker and not yet done (router accounting), or the engine's
+  own waiting count when that says more (other routers also feed it), converted by the prefill rate;
+- prefill: the same quadratic-in-tokens shape as the engine (attention is quadratic), default calibrated to
+  the engine model's timing (Dynamo's mocker fit);
+- GPU hits are free; CPU-tier hits cost a load-back per token, storage hits more;
+- running decodes share every step: a small per-request term.
+A per-worker exponentially weighted factor learns how far observed TTFTs sit from these estimates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from router.index import PrefixMatch
+from router.load import EngineMetrics, WorkerLoad
+
+
+@dataclass(frozen=True)
+class CostParams:
+    prefill_s_per_token: float = 1.518e-5
+    prefill_s_per_token_sq: float = 4.21e-10
+    prefill_step_s: float = 0.0165
+    load_back_s_per_token: float = 1e-6  # CPU tier -> GPU
+    storage_s_per_token: float = 5e-6  # storage tier -> GPU
+    decode_s_per_running: float = 2e-4
+    waiting_prompt_tokens: int = 2048  # assumed size of each engine-reported waiting request
+    learn_rate: float = 0.1  # EWMA weight of each observed TTFT (0 disables learning)
+    learn_min: float = 0.25
+    learn_max: float = 4.0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, float]) -> CostParams:
+        known = {f.name for f in fields(cls)}
+        bad = set(data) - known
+        if bad:
+            raise ValueError(f"unknown cost parameters {sorted(bad)}; known: {sorted(known)}")
+        return cls(**data)
+
+
+@dataclass(slots=True)
+class Estimate:
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+    uncached_tokens: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.prefill_s + self.decode_s
+
+
+@dataclass
+class CostModel:
+    params: CostParams = field(default_factory=CostParams)
+    scale: dict[str, float] = field(default_factory=dict)  # learned per worker
+
+    def prefill_s(self, tokens: int) -> float:
+        p = self.params
+        if tokens <= 0:
+            return 0.0
+        return p.prefill_step_s + p.prefill_s_per_token * tokens + p.prefill_s_per_token_sq * tokens * tokens
+
+    def estimate(self, worker_id: str, prompt_tokens: int, block_size: int, match: PrefixMatch | None,
+                 load: WorkerLoad | None, metrics: EngineMetrics | None) -> Estimate:
+        p = self.params
+        gpu = cpu = storage = 0
+        if match is not None:
+            gpu, cpu, storage = match.gpu * block_size, match.cpu * block_size, match.storage * block_size
+        # the engine always computes the last prompt token, so a full hit still prefills one
+        hit = min(gpu + cpu + storage, max(prompt_tokens - 1, 0))
+        uncached = prompt_tokens - hit
+        pending = load.pending_prefill_tokens if load else 0
+        if metrics is not None and metrics.waiting is not None:
+            pending = max(pending, int(metrics.waiting) * p.waiting_prompt_tokens)
+        # queued prefills run in steps of their own: per-token cost, plus one step overhead per request queued
+        queued_reqs = (load.requests - load.decoding) if load else 0
+        queue = p.prefill_s_per_token * pending + p.prefill_step_s * max(queued_reqs, 0) if pending else 0.0
+        prefill = self.prefill_s(uncached) + cpu * p.load_back_s_per_token + storage * p.storage_s_per_token
+        running = load.decoding if load else 0
+        if metrics is not None and metrics.running is not None:
+            running = max(running, int(metrics.running))
+        decode = running * p.decode_s_per_running
+        k = self.scale.get(worker_id, 1.0)
+        return Estimate(queue * k, prefill * k, decode * k, uncached)
+
+    def observe(self, worker_id: str, predicted_s: float | None, observed_s: float) -> None:
+        """Fold one observed TTFT into the worker's correction factor."""
+        p = self.params
+        if not predicted_s or predicted_s <= 0 or observed_s <= 0 or p.learn_rate <= 0:
+            return
+        k = self.scale.get(worker_id, 1.0)
+        raw = k * observed_s / predicted_s  # predicted already included k
+        k = (1 - p.learn_rate) * k + p.learn_rate * raw
+        self.scale[worker_id] = min(max(k, p.learn_min), p.learn_max)

@@ -1,0 +1,83 @@
+"""What the routing core is asked and what it answers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Endpoint:
+    """A worker the router may send requests to (one engine, or one data-parallel rank of it)."""
+
+    worker_id: str
+    address: str  # "ip:port", what Envoy's destination header carries
+    models: frozenset[str] = frozenset()  # empty: serves whatever is asked
+    loras: frozenset[str] = frozenset()
+    healthy: bool = True
+    draining: bool = False
+    url: str = ""  # http base URL, for the proxy
+    events: bool = True  # publishes KV events (else it can only ever be routed on load)
+
+    def serves(self, model: str | None, lora: str | None) -> bool:
+        if lora:
+            return lora in self.loras
+        return not self.models or model is None or model in self.models
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    request_id: str
+    keys: Sequence[int]  # block keys of the prompt (router/keys.py)
+    prompt_tokens: int
+    block_size: int
+    max_tokens: int = 16
+    model: str | None = None
+    lora: str | None = None
+    session: str | None = None  # session affinity key (e.g. a header value)
+    subset: frozenset[str] | None = None  # worker ids or addresses the gateway allows
+
+
+@dataclass(slots=True)
+class CandidateReport:
+    """Why a candidate was, or was not, chosen: for logs and the debug endpoint."""
+
+    worker_id: str
+    filtered: str | None = None
+    state: str = "synced"  # index state: synced | unsynced | stale | no-events
+    prefix_credit: bool = True
+    matched_gpu: int = 0
+    matched_cpu: int = 0
+    matched_storage: int = 0
+    speculative: int = 0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    ttft_s: float = 0.0
+    score: float = 0.0
+    inflight: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
+class Decision:
+    policy: str
+    ranked: list[str] = field(default_factory=list)  # chosen first, then fallbacks
+    outcome: str = "routed"  # routed | shed | no_endpoint
+    reason: str = ""
+    candidates: list[CandidateReport] = field(default_factory=list)
+    retry_after_s: float = 1.0
+    uncached_tokens: int = 0  # estimated on the chosen worker
+    predicted_ttft_s: float | None = None
+
+    @property
+    def chosen(self) -> str | None:
+        return self.ranked[0] if self.ranked else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "outcome": self.outcome, "reason": self.reason, "ranked": self.ranked,
+                "uncached_tokens": self.uncached_tokens, "predicted_ttft_s": self.predicted_ttft_s,
+                "candidates": [c.as_dict() for c in self.candidates]}

@@ -1,0 +1,236 @@
+"""Discrete-event replay on a virtual clock: N engine models, one routing core, one index.
+
+Nothing about routing or caching is re-implemented here: requests are keyed by ``router.keys``, decided by
+``RoutingCore`` (the live router's core), executed by ``workers.engine.EngineModel`` (the simulated worker's
+engine), and the index is fed by the engines' own events through ``IndexFeeder``. What the simulator adds
+is time: arrivals, step completions and event delivery (optionally delayed, dropped or stopped per worker).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from router.events.codec import EventBatch
+from router.keys import chain_keys
+from router.scheduling import Endpoint, RouteRequest, RoutingConfig, RoutingCore
+from sim.workload import SimRequest
+from workers.engine import EngineConfig, EngineModel, EngineRequest, StepResult
+
+ARRIVE, STEP_END, EVENTS = 0, 1, 2
+
+
+@dataclass
+class EventFaults:
+    """Per-worker event-stream faults, to exercise staleness and gap handling."""
+
+    delay_s: float = 0.0
+    stop_at: float | None = None  # no events published from this time on
+    resume_at: float | None = None
+    drop_every: int = 0  # every Nth batch lost on the wire (filled by replay when replay=True)
+    replay: bool = True
+
+
+@dataclass
+class SimConfig:
+    workers: int = 8
+    policy: str = "precise"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    routing: RoutingConfig | None = None  # default: RoutingConfig(policy, block size of the engine)
+    faults: dict[int, EventFaults] = field(default_factory=dict)
+    seed: int = 0
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    arrival: float
+    worker: str | None
+    prompt_tokens: int
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    outcome: str = "routed"  # routed | shed | no_endpoint
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+
+@dataclass
+class SimResult:
+    policy: str
+    records: list[RequestRecord]
+    makespan_s: float
+    per_worker_prompt_tokens: dict[str, int]
+    timeline: list[tuple[float, float, list[int]]]  # (time, cumulative hit rate, in-flight per worker)
+    decisions: int
+    wall_s: float = 0.0
+
+
+class Simulation:
+    def __init__(self, requests: Sequence[SimRequest], config: SimConfig) -> None:
+        self.requests = sorted(requests, key=lambda r: r.arrival)
+        self.config = config
+        ec = config.engine
+        self.block_size = ec.block_size
+        routing = config.routing or RoutingConfig(policy=config.policy, block_size=ec.block_size, seed=config.seed)
+        self.core = RoutingCore(routing)
+        self.ids = [f"w{i}" for i in range(config.workers)]
+        self.engines = {w: EngineModel(ec) for w in self.ids}
+        for i, w in enumerate(self.ids):
+            self.core.upsert_endpoint(Endpoint(w, f"10.0.0.{i + 1}:8000"))
+        self.busy = dict.fromkeys(self.ids, False)
+        self.seq = dict.fromkeys(self.ids, 0)
+        self.published: dict[str, list[EventBatch]] = {w: [] for w in self.ids}  # the replay buffer
+        self.heap: list[tuple[float, int, int, object]] = []
+        self.counter = itertools.count()
+        self.records: dict[str, RequestRecord] = {}
+        self.route_reqs: dict[str, RouteRequest] = {}
+
+    def _push(self, t: float, kind: int, data: object) -> None:
+        heapq.heappush(self.heap, (t, next(self.counter), kind, data))
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
+        import time as _time
+
+        started = _time.perf_counter()
+        self.next_arrival = 0
+        if self.requests:
+            self._push(self.requests[0].arrival, ARRIVE, self.requests[0])
+        done = 0
+        total = len(self.requests)
+        now = 0.0
+        timeline: list[tuple[float, float, list[int]]] = []
+        hit = prompt = 0
+        next_sample = 0.0
+        sample_every = max(self.requests[-1].arrival / 200, 1e-3) if self.requests else 1.0
+        while self.heap:
+            now, _, kind, data = heapq.heappop(self.heap)
+            if kind == ARRIVE:
+                self.next_arrival += 1
+                if self.next_arrival < total:
+                    nxt = self.requests[self.next_arrival]
+                    self._push(nxt.arrival, ARRIVE, nxt)
+                self._arrive(data, now)  # type: ignore[arg-type]
+            elif kind == STEP_END:
+                w, result = data  # type: ignore[misc]
+                finished = self._step_end(w, result, now)
+                for rec in finished:
+                    hit += rec.cached_tokens
+                    prompt += rec.prompt_tokens
+                done += len(finished)
+                if progress and finished:
+                    progress(done, total)
+            else:
+                w, batch = data  # type: ignore[misc]
+                self._deliver(w, batch, now)
+            if now >= next_sample:
+                loads = [self.core.load.load(w).requests for w in self.ids]
+                timeline.append((now, hit / prompt if prompt else 0.0, loads))
+                next_sample = now + sample_every
+        records = list(self.records.values())
+        per_worker: dict[str, int] = dict.fromkeys(self.ids, 0)
+        for rec in records:
+            if rec.worker:
+                per_worker[rec.worker] += rec.prompt_tokens
+        return SimResult(self.core.policy.name, records, now, per_worker, timeline, len(records),
+                         _time.perf_counter() - started)
+
+    # ---- events ----------------------------------------------------------------------------------
+    def _arrive(self, r: SimRequest, now: float) -> None:
+        tokens = r.tokens
+        keys = chain_keys(tokens, self.block_size)
+        rr = RouteRequest(r.request_id, keys, len(tokens), self.block_size, r.output_len, session=r.session)
+        decision = self.core.decide(rr, now)
+        rec = RequestRecord(r.request_id, now, decision.chosen, len(tokens))
+        self.records[r.request_id] = rec
+        if decision.outcome != "routed":
+            rec.outcome, rec.worker = decision.outcome, None
+            return
+        w = decision.ranked[0]
+        self.core.dispatched(rr, w, decision, now)
+        self.engines[w].add_request(EngineRequest(r.request_id, tokens, r.output_len, arrival=now))
+        if not self.busy[w]:
+            self._start_step(w, now)
+
+    def _start_step(self, w: str, now: float) -> None:
+        # nothing reaches this engine before the next arrival: let pure decode runs fast-forward to it
+        until = self.requests[self.next_arrival].arrival if self.next_arrival < len(self.requests) else float("inf")
+        result = self.engines[w].step(now, until)
+        self.busy[w] = True
+        self._push(now + result.duration_s, STEP_END, (w, result))
+
+    def _step_end(self, w: str, result: StepResult, now: float) -> list[RequestRecord]:
+        finished = []
+        for out in result.outputs:
+            rec = self.records[out.request.request_id]
+            rec.output_tokens += out.count
+            if out.first:
+                rec.first_token_at = now
+                rec.cached_tokens = out.request.num_cached_tokens or 0
+                self.core.first_token(rec.request_id, now)
+            if out.finished:
+                rec.finished_at = now
+                self.core.completed(rec.request_id, now)
+                finished.append(rec)
+        if result.events:
+            self._publish(w, result.events, now)
+        self.busy[w] = False
+        if self.engines[w].has_work:
+            self._start_step(w, now)
+        return finished
+
+    def _publish(self, w: str, events: list, now: float) -> None:
+        f = self.config.faults.get(self.ids.index(w))
+        if f is not None and f.stop_at is not None and now >= f.stop_at and (f.resume_at is None or now < f.resume_at):
+            return  # the engine's publisher is stopped: nothing is sent, nothing buffered
+        batch = EventBatch(now, events, 0)
+        seq = self.seq[w]
+        self.seq[w] += 1
+        self.published[w].append(batch)
+        if f is not None and f.drop_every and (seq + 1) % f.drop_every == 0:
+            return  # lost on the wire; noticed at the next batch
+        self._push(now + (f.delay_s if f else 0.0), EVENTS, (w, (seq, batch)))
+
+    def _deliver(self, w: str, item: tuple[int, EventBatch], now: float) -> None:
+        seq, batch = item
+        feeder = self.core.feeder
+        gap = feeder.offer(w, seq, batch, now)
+        if gap is not None:
+            f = self.config.faults.get(self.ids.index(w))
+            replayed = []
+            if f is None or f.replay:
+                replayed = [(s, self.published[w][s]) for s in range(gap.first_missing, gap.next_seq)]
+            feeder.fill_gap(gap, replayed, batch, now)
+
+
+def summarise(result: SimResult) -> dict[str, float]:
+    recs = result.records
+    routed = [r for r in recs if r.outcome == "routed" and r.first_token_at is not None]
+    ttft = np.array([r.ttft for r in routed]) if routed else np.array([0.0])
+    e2e = np.array([r.finished_at - r.arrival for r in routed if r.finished_at is not None]) if routed else ttft
+    prompt = sum(r.prompt_tokens for r in routed)
+    cached = sum(r.cached_tokens for r in routed)
+    out_tokens = sum(r.output_tokens for r in routed)
+    loads = np.array(list(result.per_worker_prompt_tokens.values()), dtype=float)
+    return {
+        "ttft_mean_s": float(ttft.mean()),
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "e2e_mean_s": float(e2e.mean()),
+        "e2e_p99_s": float(np.percentile(e2e, 99)),
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "throughput_tok_s": out_tokens / result.makespan_s if result.makespan_s else 0.0,
+        "load_imbalance": float(loads.max() / loads.mean()) if loads.mean() else 1.0,
+        "shed": sum(1 for r in recs if r.outcome == "shed"),
+        "no_endpoint": sum(1 for r in recs if r.outcome == "no_endpoint"),
+        "completed": sum(1 for r in recs if r.finished_at is not None),
+        "requests": len(recs),
+        "wall_s": result.wall_s,
+    }

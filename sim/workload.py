@@ -1,0 +1,162 @@
+"""Requests for the simulator: the Mooncake trace, and synthetic shared-prefix and multi-turn workloads.
+
+Token ids are synthesised deterministically: each Mooncake hash id (one 512-token block, standing for the
+whole prefix up to it) becomes 512 tokens derived from the id alone, so requests that share hash ids share
+tokens, and block keys at any engine block size stay consistent.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+TRACE_BLOCK = 512
+VOCAB = 32000
+_M2 = np.uint64(0xBF58476D1CE4E5B9)
+
+
+@dataclass(slots=True)
+class SimRequest:
+    request_id: str
+    arrival: float  # seconds
+    prompt: np.ndarray | int  # uint32 prompt token ids, or the length of a trace row's prompt (made on use)
+    output_len: int
+    session: str | None = None
+    hash_ids: tuple[int, ...] = ()  # trace block ids, for the independent cache bound
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Trace rows synthesise their tokens on use: a whole trace of them would not fit in memory."""
+        if isinstance(self.prompt, np.ndarray):
+            return self.prompt
+        return tokens_for_hash_ids(list(self.hash_ids), self.prompt)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) if isinstance(self.prompt, np.ndarray) else self.prompt
+
+
+def tokens_for_block(block_id: int, n: int = TRACE_BLOCK, salt: int = 0) -> np.ndarray:
+    """``n`` pseudo-random token ids determined by ``block_id`` alone (splitmix-style mixing)."""
+    seed = np.uint64(((block_id * 2 + 1 + salt * 0x1000003) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
+    x = seed ^ (np.arange(n, dtype=np.uint64) * _M2)
+    x ^= x >> np.uint64(31)
+    x *= _M2
+    x ^= x >> np.uint64(29)
+    return (x % np.uint64(VOCAB)).astype(np.uint32)
+
+
+@lru_cache(maxsize=16384)
+def _trace_block(block_id: int) -> np.ndarray:
+    toks = tokens_for_block(block_id)
+    toks.flags.writeable = False  # shared between requests through the cache
+    return toks
+
+
+def tokens_for_hash_ids(hash_ids: list[int], length: int) -> np.ndarray:
+    if not hash_ids:
+        return tokens_for_block(-1, length)
+    toks = np.concatenate([_trace_block(h) for h in hash_ids])
+    if len(toks) < length:  # a trace row whose length runs past its blocks: pad deterministically
+        toks = np.concatenate([toks, tokens_for_block(hash_ids[-1], length - len(toks), salt=7)])
+    return toks[:length]
+
+
+def mooncake(path: str | Path, limit: int | None = None, speedup: float = 1.0, jitter_s: float = 0.0,
+             seed: int = 0) -> list[SimRequest]:
+    """Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``.
+
+    ``speedup`` divides arrival times; ``jitter_s`` spreads the trace's ~3 s quantised timestamps uniformly.
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for i, line in enumerate(fh):
+            if limit is not None and i >= limit:
+                break
+            row = json.loads(line)
+            t = row["timestamp"] / 1000.0
+            if jitter_s:
+                t += float(rng.uniform(0, jitter_s))
+            hashes = list(row["hash_ids"])
+            n = int(row["input_length"])
+            out.append(SimRequest(f"r{i}", t / speedup, n, max(1, int(row["output_length"])), None, tuple(hashes)))
+    out.sort(key=lambda r: r.arrival)
+    t0 = out[0].arrival if out else 0.0
+    for r in out:
+        r.arrival -= t0
+    return out
+
+
+def shared_prefix(groups: int = 64, per_group: int = 16, system_tokens: int = 2048, question_tokens: int = 128,
+                  output_tokens: int = 256, rate: float = 8.0, seed: int = 0) -> list[SimRequest]:
+    """SGLang's generated-shared-prefix shape (64 x 16, 2048 system, 128 question, 256 output), Poisson arrivals,
+    prompts of all groups interleaved at random."""
+    rng = np.random.default_rng(seed)
+    order = [(g, q) for g in range(groups) for q in range(per_group)]
+    rng.shuffle(order)
+    t = 0.0
+    out = []
+    for g, q in order:
+        t += float(rng.exponential(1.0 / rate))
+        system = tokens_for_block(10_000_000 + g, system_tokens)
+        question = tokens_for_block(20_000_000 + g * per_group + q, question_tokens)
+        out.append(SimRequest(f"g{g}q{q}", t, np.concatenate([system, question]), output_tokens, f"group-{g}"))
+    return out
+
+
+def multi_turn(conversations: int = 200, turns: int = 5, system_tokens: int = 1024, user_tokens: int = 200,
+               output_tokens: int = 150, rate: float = 4.0, think_s: float = 5.0, seed: int = 0) -> list[SimRequest]:
+    """Conversations whose every turn extends the previous prompt (plus a stand-in for the previous answer)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    start = 0.0
+    system = tokens_for_block(30_000_000, system_tokens)
+    for c in range(conversations):
+        start += float(rng.exponential(1.0 / rate))
+        prompt = system
+        t = start
+        for k in range(turns):
+            user = tokens_for_block(40_000_000 + c * 1000 + k, user_tokens)
+            prompt = np.concatenate([prompt, user])
+            out.append(SimRequest(f"c{c}t{k}", t, prompt, output_tokens, f"conv-{c}"))
+            answer = tokens_for_block(50_000_000 + c * 1000 + k, output_tokens)
+            prompt = np.concatenate([prompt, answer])
+            t += think_s + float(rng.exponential(think_s))
+    out.sort(key=lambda r: r.arrival)
+    return out
+
+
+WORKLOADS = {"shared_prefix": shared_prefix, "multi_turn": multi_turn}
+
+
+def infinite_cache_bound(requests: list[SimRequest], block: int) -> float:
+    """Token hit rate of one infinite cache shared by all, computed from the requests' own content.
+
+    Mooncake rows use their hash ids (prefix-closed 512-token blocks); others hash raw token bytes per
+    ``block``. Independent of the router's keys and of the engine model. Like an engine, it never counts
+    the last prompt token as a hit.
+    """
+    seen: set = set()
+    hit = total = 0
+    for r in sorted(requests, key=lambda r: r.arrival):
+        n = r.num_tokens
+        total += n
+        keys: list
+        if r.hash_ids and len(r.hash_ids) * TRACE_BLOCK >= n:
+            keys, size = list(r.hash_ids), TRACE_BLOCK  # prefix-closed: an id names its whole prefix
+        else:
+            data = r.tokens.tobytes()
+            keys, size = [data[: (i + 1) * block * 4] for i in range(n // block)], block
+        matched = 0
+        for k in keys:
+            if k not in seen:
+                break
+            matched += 1
+        hit += min(matched * size, n - 1)
+        seen.update(keys)
+    return hit / total if total else 0.0
