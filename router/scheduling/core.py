@@ -52,6 +52,8 @@ class RoutingCore:
         self.metrics: dict[str, EngineMetrics] = {}
         self.endpoints: dict[str, Endpoint] = {}
         self.rng = random.Random(self.config.seed)
+        # per worker: the first dispatch not yet followed by any KV event (for staleness)
+        self._awaiting_events_since: dict[str, float] = {}
         self.policy: Policy = POLICIES[self.config.policy](self)
         self._now = 0.0
 
@@ -65,6 +67,7 @@ class RoutingCore:
         self.load.forget_worker(worker_id)
         self.speculative.forget_worker(worker_id)
         self.metrics.pop(worker_id, None)
+        self._awaiting_events_since.pop(worker_id, None)
 
     def update_metrics(self, worker_id: str, metrics: EngineMetrics) -> None:
         self.metrics[worker_id] = metrics
@@ -74,19 +77,23 @@ class RoutingCore:
         return m.fresh(self._now, self.config.metrics_max_age_s) if m else None
 
     def index_state(self, worker_id: str, now: float) -> str:
-        """synced | unsynced | stale | no-events: only 'synced' earns prefix credit."""
+        """synced | unsynced | stale | no-events: only 'synced' earns prefix credit.
+
+        A worker not heard from yet counts as synced and empty (that never over-credits it). It turns
+        stale when it has been taking requests for ``stale_after_s`` without publishing a single event.
+        """
         ep = self.endpoints.get(worker_id)
         if ep is not None and not ep.events:
             return "no-events"
         feed = self.feeder.feeds.get(worker_id)
-        if feed is None or not feed.synced:
-            return "unsynced" if feed is not None else "no-events"
-        load = self.load.workers.get(worker_id)
-        last_event = feed.last_event_at if feed.last_event_at is not None else float("-inf")
-        if (load is not None and load.last_dispatch_at is not None
-                and load.last_dispatch_at - last_event > self.config.stale_after_s
-                and now - last_event > self.config.stale_after_s):
-            return "stale"  # taking requests, yet no events for too long
+        if feed is not None and not feed.synced:
+            return "unsynced"
+        since = self._awaiting_events_since.get(worker_id)
+        if since is not None:
+            if feed is not None and feed.last_event_at is not None and feed.last_event_at >= since:
+                del self._awaiting_events_since[worker_id]  # events came after that dispatch
+            elif now - since > self.config.stale_after_s:
+                return "stale"
         return "synced"
 
     # ---- deciding ----------------------------------------------------------------------------
@@ -160,6 +167,7 @@ class RoutingCore:
         else:
             uncached, predicted = decision.uncached_tokens, decision.predicted_ttft_s
         self.load.dispatch(req.request_id, worker_id, req.prompt_tokens, uncached, req.max_tokens, now, predicted)
+        self._awaiting_events_since.setdefault(worker_id, now)
         if req.keys:
             self.speculative.record(worker_id, req.keys, now)
         self.policy.on_dispatch(req, worker_id, now)

@@ -89,7 +89,7 @@ class SessionHash(Policy):
             ids = [r.worker_id for r in reports]
             self.rng.shuffle(ids)
             return ids
-        weight = {r.worker_id: xxhash.xxh3_64_intdigest(f"{req.session}\x00{r.worker_id}") for r in reports}
+        weight = {r.worker_id: xxhash.xxh3_64_intdigest(f"{req.session}\x00{r.worker_id}".encode()) for r in reports}
         return sorted(weight, key=weight.__getitem__, reverse=True)
 
 
