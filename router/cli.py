@@ -45,6 +45,18 @@ def _bench_worker(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _bench_decide(args: argparse.Namespace) -> int:
+    from router.bench.decide_bench import main as bench_main
+
+    return bench_main(args)
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from sim.cli import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description="Cache-aware request router for LLM fleets.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -63,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(ws)
     ws.set_defaults(handler=_worker_sim)
 
+    sp = sub.add_parser("sim", help="trace-replay simulator: compare policies on engine models")
+    from sim.cli import add_arguments as sim_arguments
+
+    sim_arguments(sp)
+    sp.set_defaults(handler=_sim)
+
     bench = sub.add_parser("bench", help="benchmarks that print a table (or --json)")
     bsub = bench.add_subparsers(dest="sub", required=True)
     bi = bsub.add_parser("index", help="event ingest rate, match latency, index memory")
@@ -73,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--json", action="store_true")
     bw.add_argument("--quick", action="store_true")
     bw.set_defaults(handler=_bench_worker)
+    bd = bsub.add_parser("decide", help="latency of one routing decision over 8/64/256 workers")
+    bd.add_argument("--json", action="store_true")
+    bd.add_argument("--quick", action="store_true")
+    bd.set_defaults(handler=_bench_decide)
     return parser
 
 

@@ -26,7 +26,7 @@ def drive(engine: EngineModel, feeder: IndexFeeder, t: float, seq: int, steps: i
     return t, seq
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
     gpu_blocks=st.integers(24, 80),
@@ -57,7 +57,7 @@ def test_event_stream_reproduces_the_engine_block_table(seed, gpu_blocks, cpu_bl
     held = feeder.index.engine_hashes("w")
     assert held[Medium.GPU] == set(engine.pool.cached)
     assert held[Medium.CPU] == set(engine.pool.cpu)
-    f = feeder.feeds["w"]
+    f = feeder.feed("w")
     assert f.malformed == 0 and f.unknown_removals == 0
     # the router's keys for each prompt find exactly the prefix the engine would hit
     for req in reqs:

@@ -63,7 +63,7 @@ class BlockPool:
     cpu_blocks: int = 0
     blocks: list[Block] = field(init=False)
     free: OrderedDict[int, None] = field(init=False)  # block ids, oldest-freed first
-    cached: dict[int, int] = field(init=False)  # engine hash -> block id (GPU)
+    cached: dict[int, list[int]] = field(init=False)  # engine hash -> GPU block ids holding it
     cpu: OrderedDict[int, CachedBlock] = field(init=False)  # engine hash -> content, LRU first
     pending_events: list[KvEvent] = field(init=False)
 
@@ -87,10 +87,10 @@ class BlockPool:
         """Longest cached prefix: GPU block ids hit, then how many further blocks the CPU tier holds."""
         gpu: list[int] = []
         for h in hashes:
-            bid = self.cached.get(h)
-            if bid is None:
+            bids = self.cached.get(h)
+            if not bids:
                 break
-            gpu.append(bid)
+            gpu.append(bids[0])
         cpu_hits = 0
         for h in hashes[len(gpu) :]:
             if h not in self.cpu:
@@ -123,7 +123,10 @@ class BlockPool:
     def _evict(self, b: Block) -> None:
         c = b.cached
         assert c is not None
-        del self.cached[c.hash]
+        copies = self.cached[c.hash]
+        copies.remove(b.block_id)
+        if not copies:
+            del self.cached[c.hash]
         b.cached = None
         self.pending_events.append(BlockRemoved([c.hash], "GPU", 0))
         if self.cpu_blocks and c.hash not in self.cpu:
@@ -148,10 +151,9 @@ class BlockPool:
             b = self.blocks[bid]
             if b.cached is not None:
                 continue
-            if c.hash in self.cached:  # computed twice concurrently: keep the first copy
-                continue
+            # computed twice concurrently: vLLM keeps both copies and publishes both (same hash)
             b.cached = c
-            self.cached[c.hash] = bid
+            self.cached.setdefault(c.hash, []).append(bid)
             new.append(c)
             if c.hash in self.cpu:
                 self.cpu.move_to_end(c.hash)

@@ -18,8 +18,10 @@ import numpy as np
 import xxhash
 
 from router.events.codec import KvEvent
-from workers.engine.block_pool import BlockPool, CachedBlock, engine_block_hash
+from workers.engine.block_pool import _MASK, _MIX, NONE_HASH, BlockPool, CachedBlock, engine_block_hash
 from workers.engine.timing import TimingModel
+
+_xxh3 = xxhash.xxh3_64_intdigest
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,16 @@ class EngineModel:
     def _hashes_upto(self, req: EngineRequest, n_blocks: int) -> list[int]:
         bs = self.config.block_size
         hs = req.block_hashes
+        if not req.lora_name and not req.cache_salt and len(hs) < n_blocks:
+            # hot path (every admission hashes the whole prompt): engine_block_hash inlined
+            step = bs * 4
+            mv, out = req._prompt_bytes, req.block_tokens
+            parent = hs[-1] if hs else NONE_HASH
+            for i in range(len(hs), min(n_blocks, len(req.prompt) // bs)):
+                data = mv[i * step : (i + 1) * step]
+                parent = _xxh3(data, (parent * _MIX) & _MASK)
+                hs.append(parent)
+                out.append(data)
         while len(hs) < n_blocks:
             i = len(hs)
             data = req.token_bytes(i * bs, (i + 1) * bs)
