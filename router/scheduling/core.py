@@ -140,7 +140,8 @@ class RoutingCore:
             est = self.cost.estimate(r.worker_id, req.prompt_tokens, req.block_size, m, load,
                                      self.fresh_metrics(r.worker_id))
             r.queue_s, r.prefill_s, r.decode_s, r.ttft_s = est.queue_s, est.prefill_s, est.decode_s, est.ttft_s
-            r.score = r.ttft_s
+            r.interference_s = est.interference_s
+            r.score = est.score
         decision.ranked = policy.rank(req, eligible)
         by_id = {r.worker_id: r for r in eligible}
         chosen = by_id[decision.ranked[0]]

@@ -9,6 +9,12 @@
 - GPU hits are free; CPU-tier hits cost a load-back per token, storage hits more;
 - running decodes share every step: a small per-request term.
 A per-worker exponentially weighted factor learns how far observed TTFTs sit from these estimates.
+
+The score adds what this request costs the others: its prefill stalls every decode running on that worker
+for the prefill's length (``interference_s = running * prefill``), weighted by ``interference_weight``.
+Minimising TTFT alone piles conversations onto their holders and stretches everyone's end-to-end latency;
+the interference term keeps cheap (cached) prefills on the holder and sends expensive cold ones where
+fewer decodes would wait for them.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ class CostParams:
     load_back_s_per_token: float = 1e-6  # CPU tier -> GPU
     storage_s_per_token: float = 5e-6  # storage tier -> GPU
     decode_s_per_running: float = 2e-4
+    interference_weight: float = 0.05
     waiting_prompt_tokens: int = 2048  # assumed size of each engine-reported waiting request
     learn_rate: float = 0.1  # EWMA weight of each observed TTFT (0 disables learning)
     learn_min: float = 0.25
@@ -47,10 +54,16 @@ class Estimate:
     prefill_s: float
     decode_s: float
     uncached_tokens: int
+    interference_s: float = 0.0  # decode time this prefill takes from requests already running there
+    interference_weight: float = 0.0
 
     @property
     def ttft_s(self) -> float:
         return self.queue_s + self.prefill_s + self.decode_s
+
+    @property
+    def score(self) -> float:
+        return self.ttft_s + self.interference_weight * self.interference_s
 
 
 @dataclass
@@ -85,7 +98,7 @@ class CostModel:
             running = max(running, int(metrics.running))
         decode = running * p.decode_s_per_running
         k = self.scale.get(worker_id, 1.0)
-        return Estimate(queue * k, prefill * k, decode * k, uncached)
+        return Estimate(queue * k, prefill * k, decode * k, uncached, running * prefill * k, p.interference_weight)
 
     def observe(self, worker_id: str, predicted_s: float | None, observed_s: float) -> None:
         """Fold one observed TTFT into the worker's correction factor."""

@@ -127,13 +127,13 @@ class ApproxPrefix(Policy):
 
 
 class Precise(Policy):
-    """Ours: minimum estimated TTFT, from event-fed residency and load (see cost.py)."""
+    """Ours: minimum cost score (estimated TTFT plus interference), from event-fed residency and load."""
 
     name = "precise"
     uses_prefix = True
 
     def rank(self, req: RouteRequest, reports: list[CandidateReport]) -> list[str]:
-        return _ranked(reports, lambda r: r.ttft_s, self.rng)
+        return _ranked(reports, lambda r: r.score, self.rng)
 
 
 POLICIES: dict[str, type[Policy]] = {

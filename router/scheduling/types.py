@@ -55,6 +55,7 @@ class CandidateReport:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     ttft_s: float = 0.0
+    interference_s: float = 0.0
     score: float = 0.0
     inflight: int = 0
 

@@ -147,16 +147,21 @@ class BlockPool:
     def cache_full_blocks(self, block_ids: Sequence[int], contents: Sequence[CachedBlock]) -> None:
         """Blocks just filled: register them for reuse and publish them (one event per call)."""
         new: list[CachedBlock] = []
+        blocks, cached, cpu = self.blocks, self.cached, self.cpu
         for bid, c in zip(block_ids, contents, strict=True):
-            b = self.blocks[bid]
+            b = blocks[bid]
             if b.cached is not None:
                 continue
             # computed twice concurrently: vLLM keeps both copies and publishes both (same hash)
             b.cached = c
-            self.cached.setdefault(c.hash, []).append(bid)
+            copies = cached.get(c.hash)
+            if copies is None:
+                cached[c.hash] = [bid]
+            else:
+                copies.append(bid)
             new.append(c)
-            if c.hash in self.cpu:
-                self.cpu.move_to_end(c.hash)
+            if cpu and c.hash in cpu:
+                cpu.move_to_end(c.hash)
         # one event per run of consecutive blocks (a skipped block breaks the parent chain)
         run: list[CachedBlock] = []
         for c in new:

@@ -63,15 +63,17 @@ class EngineRequest:
     status: Status = Status.WAITING
     _seed: int = 0
     _prompt_bytes: memoryview = field(init=False, repr=False)
+    prompt_len: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.prompt = np.asarray(self.prompt, dtype=np.uint32)
+        self.prompt_len = len(self.prompt)
         self._prompt_bytes = memoryview(self.prompt.tobytes())
         self._seed = xxhash.xxh3_64_intdigest(self._prompt_bytes)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return self.prompt_len + len(self.output)
 
     def token_bytes(self, start: int, end: int) -> bytes | memoryview:
         """Tokens [start, end) of prompt + output as uint32 bytes, without materialising the sequence."""
@@ -90,6 +92,11 @@ class EngineRequest:
     def next_token(self, vocab: int) -> int:
         """Synthetic, deterministic in (prompt, position): same output cached or not, as at temperature 0."""
         return (self._seed + 2654435761 * (len(self.output) + 1)) % vocab
+
+    def next_tokens(self, k: int, vocab: int) -> list[int]:
+        """The next ``k`` tokens ``next_token`` would give, one after another."""
+        m, seed = len(self.output), self._seed
+        return [(seed + 2654435761 * j) % vocab for j in range(m + 1, m + k + 1)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,9 +205,11 @@ class EngineModel:
             req.block_tokens.append(data)
         return hs
 
-    def _content(self, req: EngineRequest, i: int) -> CachedBlock:
-        hs = self._hashes_upto(req, i + 1)
-        return CachedBlock(hs[i], hs[i - 1] if i else None, req.block_tokens[i], req.extra(i))
+    def _contents(self, req: EngineRequest, start: int, end: int) -> list[CachedBlock]:
+        """What blocks [start, end) of a request hold, to cache or load them."""
+        hs = self._hashes_upto(req, end)
+        toks = req.block_tokens
+        return [CachedBlock(hs[i], hs[i - 1] if i else None, toks[i], req.extra(i)) for i in range(start, end)]
 
     # ---- scheduling --------------------------------------------------------------------------
     def _blocks_for(self, n_tokens: int) -> int:
@@ -229,7 +238,7 @@ class EngineModel:
         if new_blocks + cpu_hits > free_after_touch:
             return 0, 0
         self.pool.touch(gpu_hits)
-        loaded = self.pool.load_from_cpu([self._content(req, i) for i in range(len(gpu_hits), hit_blocks)])
+        loaded = self.pool.load_from_cpu(self._contents(req, len(gpu_hits), hit_blocks))
         req.block_ids = gpu_hits + loaded + self.pool.allocate(new_blocks)
         req.num_computed = cached
         if req.num_cached_tokens is None:
@@ -273,7 +282,9 @@ class EngineModel:
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(req.num_tokens - req.num_computed, budget)
-            if n <= 0 or not self._grow(req, n):
+            if n <= 0:
+                continue
+            if req.num_computed + n > len(req.block_ids) * c.block_size and not self._grow(req, n):
                 continue
             scheduled.append((req, n))
             budget -= n
@@ -321,13 +332,12 @@ class EngineModel:
             if extra > 0:
                 req.block_ids += self.pool.allocate(extra)
             before_full = req.num_computed // bs
-            for _ in range(k):  # the KV of each token is computed by the step that samples the next one
-                req.output.append(req.next_token(vocab))
+            req.output += req.next_tokens(k, vocab)  # each step computes one token's KV, samples the next
             req.num_computed += k
             after_full = req.num_computed // bs
             if after_full > before_full:
-                idx = range(before_full, after_full)
-                self.pool.cache_full_blocks([req.block_ids[i] for i in idx], [self._content(req, i) for i in idx])
+                self.pool.cache_full_blocks(req.block_ids[before_full:after_full],
+                                            self._contents(req, before_full, after_full))
             self.stats.generation_tokens += k
             done = len(req.output) >= req.max_tokens
             if done:
@@ -351,8 +361,8 @@ class EngineModel:
             req.num_computed += n
             after_full = req.num_computed // bs
             if after_full > before_full:
-                idx = range(before_full, after_full)
-                self.pool.cache_full_blocks([req.block_ids[i] for i in idx], [self._content(req, i) for i in idx])
+                self.pool.cache_full_blocks(req.block_ids[before_full:after_full],
+                                            self._contents(req, before_full, after_full))
             if req.num_computed < req.num_tokens:
                 continue  # chunked prefill: more to do
             token = req.next_token(self.config.vocab_size)

@@ -1,0 +1,129 @@
+"""The trace-replay simulator: conservation, determinism, the independent bound, CLI output."""
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from router.keys import chain_keys
+from router.scheduling import RouteRequest, RoutingConfig
+from sim.runner import EventFaults, SimConfig, Simulation, summarise
+from sim.workload import (
+    SimRequest,
+    infinite_cache_bound,
+    mooncake,
+    multi_turn,
+    shared_prefix,
+    tokens_for_block,
+    tokens_for_hash_ids,
+)
+from tests.conftest import TRACE, need_shared
+from workers.engine import EngineConfig
+
+SMALL = EngineConfig(num_gpu_blocks=600, block_size=16, max_num_seqs=8)
+
+
+def test_every_request_completes_or_is_shed_exactly_once():
+    reqs = shared_prefix(groups=8, per_group=20, system_tokens=512, question_tokens=64, output_tokens=40, rate=400)
+    routing = RoutingConfig(policy="precise", block_size=16, max_inflight_requests=6, seed=0)
+    res = Simulation(reqs, SimConfig(workers=3, engine=SMALL, routing=routing)).run()
+    ids = Counter(r.request_id for r in res.records)
+    assert set(ids) == {r.request_id for r in reqs} and set(ids.values()) == {1}
+    outcomes = Counter(r.outcome for r in res.records)
+    assert outcomes["shed"] > 0  # the admission limit did bite
+    for r in res.records:
+        if r.outcome == "routed":
+            assert r.finished_at is not None and r.output_tokens == 40 and r.first_token_at <= r.finished_at
+        else:
+            assert r.first_token_at is None and r.worker is None
+    s = summarise(res)
+    assert s["completed"] + s["shed"] == len(reqs)
+
+
+def test_same_seed_same_result_and_other_seed_differs():
+    reqs = multi_turn(conversations=30, turns=3, system_tokens=256, user_tokens=64, output_tokens=20, rate=20)
+    runs = [summarise(Simulation(reqs, SimConfig(workers=4, policy="random", engine=SMALL, seed=s)).run())
+            for s in (7, 7, 8)]
+    for s in runs:
+        s.pop("wall_s")
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_bound_is_computed_from_the_trace_alone(tmp_path):
+    rows = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 5, "hash_ids": [1, 2]},
+        {"timestamp": 10, "input_length": 1500, "output_length": 5, "hash_ids": [1, 2, 3]},
+        {"timestamp": 20, "input_length": 600, "output_length": 5, "hash_ids": [1, 4]},
+        {"timestamp": 30, "input_length": 1024, "output_length": 5, "hash_ids": [1, 2]},
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reqs = mooncake(path)
+    # hits: 0; 2 blocks (1024); 1 block (512); a full repeat hits all but the last token (1023)
+    assert infinite_cache_bound(reqs, 16) == pytest.approx((0 + 1024 + 512 + 1023) / (1024 + 1500 + 600 + 1024))
+    # token synthesis: shared hash ids mean shared tokens, at any block size
+    assert np.array_equal(reqs[1].tokens[:1024], reqs[0].tokens)
+    assert not np.array_equal(reqs[2].tokens[512:600], reqs[0].tokens[512:600])
+    assert np.array_equal(tokens_for_hash_ids([1, 2], 700), tokens_for_hash_ids([1, 2, 3], 1200)[:700])
+
+
+def test_the_real_trace_bound_matches_the_published_figure():
+    reqs = mooncake(need_shared(TRACE))
+    assert len(reqs) == 12_031
+    assert infinite_cache_bound(reqs, 64) == pytest.approx(0.374, abs=0.002)  # REFERENCE.md section 7
+
+
+def test_precise_hit_rate_never_exceeds_the_bound():
+    reqs = mooncake(need_shared(TRACE), limit=300, speedup=4)
+    bound = infinite_cache_bound(reqs, 128)
+    engine = EngineConfig(num_gpu_blocks=100_000, block_size=128)
+    s = summarise(Simulation(reqs, SimConfig(workers=4, policy="precise", engine=engine)).run())
+    assert s["completed"] == 300
+    assert 0 < s["hit_rate"] <= bound
+
+
+def test_stopped_events_make_a_worker_stale_in_the_simulation():
+    system = tokens_for_block(5, 2048)
+    reqs = [SimRequest(f"r{i}", i * 0.1, np.concatenate([system, tokens_for_block(1000 + i, 64)]), 60)
+            for i in range(200)]
+    # an admission limit of 2 in flight makes both workers take requests from the start
+    routing = RoutingConfig(policy="precise", block_size=16, stale_after_s=3.0, max_inflight_requests=2, seed=0)
+    faults = {0: EventFaults(stop_at=10.0)}  # worker 0 publishes for 10 s, then goes silent
+    sim = Simulation(reqs, SimConfig(workers=2, engine=EngineConfig(num_gpu_blocks=4000, block_size=16),
+                                     routing=routing, faults=faults))
+    res = sim.run()
+    assert sim.core.feeder.feeds["w0"].last_event_at <= 10.0
+    assert Counter(r.worker for r in res.records if r.arrival > 14)["w0"] > 0  # it kept taking requests
+    probe = RouteRequest("probe", chain_keys(reqs[0].tokens, 16), 2112, 16)
+    d = sim.core.decide(probe, now=res.makespan_s)
+    by = {c.worker_id: c for c in d.candidates}
+    assert by["w0"].state == "stale" and not by["w0"].prefix_credit and by["w0"].matched_gpu == 0
+    assert by["w1"].state == "synced" and by["w1"].matched_gpu >= 2048 // 16  # the shared prefix
+
+
+def test_gaps_in_simulated_event_streams_are_replayed():
+    reqs = shared_prefix(groups=4, per_group=10, system_tokens=256, question_tokens=32, output_tokens=8, rate=50)
+    faults = {0: EventFaults(drop_every=3), 1: EventFaults(drop_every=3, replay=False)}
+    sim = Simulation(reqs, SimConfig(workers=2, engine=SMALL, faults=faults))
+    sim.run()
+    f0, f1 = sim.core.feeder.feeds["w0"], sim.core.feeder.feeds["w1"]
+    assert f0.gaps_filled == f0.gaps > 0
+    assert f1.gaps > 0 and f1.gaps_filled == 0
+
+
+def test_cli_json_has_the_stable_keys():
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "sim", "--workload", "shared_prefix", "--workers", "2",
+         "--policies", "round_robin,precise", "--speedup", "4", "--json"],
+        check=True, capture_output=True, text=True, timeout=300,
+    ).stdout
+    data = json.loads(out)
+    assert set(data["policies"]) == {"round_robin", "precise"}
+    for p in data["policies"].values():
+        assert {"ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_rate", "throughput_tok_s", "shed"} <= set(p)
+    assert 0 < data["bound_hit_rate"] <= 1
+    assert data["policies"]["precise"]["hit_rate"] <= data["bound_hit_rate"]
