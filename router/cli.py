@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -57,6 +58,38 @@ def _sim(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from router.config import ConfigError, load_config
+    from router.discovery import DiscoveryError, parse_worker_arg
+    from router.frontends.proxy import run_proxy
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        overrides = {
+            "listen.host": args.host, "listen.port": args.port, "admin.host": args.admin_host,
+            "admin.port": args.admin_port, "routing.policy": args.policy, "routing.block_size": args.block_size,
+            "routing.stale_after_s": args.stale_after, "routing.max_inflight_requests": args.max_inflight,
+            "workers_file": args.workers_file, "events_bind": args.events_bind, "tokenizer": args.tokenizer,
+            "tenant_header": args.tenant_header, "max_body_bytes": args.max_body_bytes,
+        }
+        config = load_config(args.config, overrides)
+        if args.worker:
+            config.workers = [parse_worker_arg(w) for w in args.worker]
+    except (ConfigError, DiscoveryError) as e:
+        print(f"kvrouter serve: {e}", file=sys.stderr)
+        return 2
+    if not config.workers and not config.workers_file:
+        print("kvrouter serve: no workers: give --worker URL (repeatable), --workers-file or a config file",
+              file=sys.stderr)
+        return 2
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run_proxy(config))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description="Cache-aware request router for LLM fleets.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +107,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(ws)
     ws.set_defaults(handler=_worker_sim)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible proxy that routes on KV-cache residency and load",
+                        description="Every option overrides the same key of --config (YAML).")
+    sv.add_argument("--config", help="YAML config file (docs/configuration.md)")
+    sv.add_argument("--worker", action="append", metavar="URL[,events=E][,replay=R][,id=ID][,model=M]",
+                    help="a worker (repeatable); events/replay: its KV-event PUB and replay endpoints")
+    sv.add_argument("--workers-file", help="YAML/JSON list of workers, watched: edits add/remove workers live")
+    sv.add_argument("--events-bind", help="bind one SUB socket engines connect to (topic names the worker)")
+    sv.add_argument("--host", help="proxy listen address (default 0.0.0.0)")
+    sv.add_argument("--port", type=int, help="proxy port (default 8000)")
+    sv.add_argument("--admin-host", help="admin/debug listen address (default 127.0.0.1)")
+    sv.add_argument("--admin-port", type=int, help="admin/debug port (default 8001)")
+    sv.add_argument("--policy", help="routing policy: precise (default), approx_prefix, least_loaded, "
+                    "round_robin, session_hash, random")
+    sv.add_argument("--block-size", type=int, help="the engines' KV block size in tokens (default 16)")
+    sv.add_argument("--stale-after", type=float, help="seconds without events while loaded before a worker "
+                    "loses prefix credit (default 10)")
+    sv.add_argument("--max-inflight", type=int, help="per-worker in-flight requests before shedding (default 512)")
+    sv.add_argument("--tokenizer", help="tokenizer.json or its directory (default: the bundled one)")
+    sv.add_argument("--tenant-header", help="trusted header whose value becomes the request's cache_salt")
+    sv.add_argument("--max-body-bytes", type=int, help="largest request body accepted (default 32 MiB)")
+    sv.add_argument("--log-level", default="warning")
+    sv.set_defaults(handler=_serve)
 
     sp = sub.add_parser("sim", help="trace-replay simulator: compare policies on engine models")
     from sim.cli import add_arguments as sim_arguments

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+import subprocess
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -58,3 +59,49 @@ async def workers(n: int, **kw) -> AsyncIterator[list[RunningWorker]]:
     finally:
         for w in started:
             await w.stop()
+
+
+@dataclass
+class WorkerProcess:
+    """A simulated worker in its own process, to be killed for real."""
+
+    proc: "subprocess.Popen[bytes]"
+    port: int
+    events: str
+    replay: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def spec(self, worker_id: str) -> str:
+        return f"{self.url},id={worker_id},events={self.events},replay={self.replay}"
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def spawn_worker(*args: str) -> WorkerProcess:
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from router.bench.load import free_port
+
+    port, ev, rp = free_port(), free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "worker", "sim", "--port", str(port),
+                             "--events-endpoint", f"tcp://[::ffff:127.0.0.1]:{ev}",
+                             "--replay-endpoint", f"tcp://[::ffff:127.0.0.1]:{rp}", *args])
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("simulated worker did not start") from None
+            time.sleep(0.1)
+    return WorkerProcess(proc, port, f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}")

@@ -173,9 +173,10 @@ class RoutingCore:
             self.speculative.record(worker_id, req.keys, now)
         self.policy.on_dispatch(req, worker_id, now)
 
-    def first_token(self, request_id: str, now: float) -> None:
+    def first_token(self, request_id: str, now: float, learn: bool = True) -> None:
+        """``learn``: fold this TTFT into the worker's cost factor (only when the first token was seen as such)."""
         r = self.load.first_token(request_id, now)
-        if r is not None:
+        if r is not None and learn:
             self.cost.observe(r.worker_id, r.predicted_ttft_s, now - r.dispatched_at)
 
     def completed(self, request_id: str, now: float) -> None:

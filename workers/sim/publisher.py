@@ -51,6 +51,8 @@ class KvEventPublisher:
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
         if vllm_binds(endpoint):
+            if "[" in endpoint:  # tcp://[::ffff:127.0.0.1]:P binds loopback only, as with vLLM
+                self.pub.setsockopt(zmq.IPV6, 1)
             self.pub.bind(endpoint)
         else:
             self.pub.connect(endpoint)
@@ -61,6 +63,8 @@ class KvEventPublisher:
         if replay_endpoint:
             self._router = self.ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
+            if "[" in replay_endpoint:
+                self._router.setsockopt(zmq.IPV6, 1)
             self._router.bind(replay_endpoint)
             self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
 

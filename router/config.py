@@ -1,0 +1,137 @@
+"""One YAML file for the router, validated with clear errors, plus command-line overrides.
+
+Every key has a default; unknown keys and wrong types are errors naming the key. ``kvrouter serve --help``
+lists the overrides; ``docs/configuration.md`` documents the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from router.discovery import WorkerSpec, parse_worker_arg
+from router.discovery.static import _spec
+from router.scheduling import CostParams, RoutingConfig
+from router.tokenizer import DEFAULT_TOKENIZER_DIR
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class Listen:
+    host: str = "0.0.0.0"
+    port: int = 8000
+
+
+@dataclass
+class Admin:
+    host: str = "127.0.0.1"  # admin and debug endpoints are not open to the world by default
+    port: int = 8001
+
+
+@dataclass
+class RouterConfig:
+    listen: Listen = field(default_factory=Listen)
+    admin: Admin = field(default_factory=Admin)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    workers: list[WorkerSpec] = field(default_factory=list)
+    workers_file: str | None = None
+    events_bind: str | None = None  # bind one SUB socket that engines connect to (topic names the worker)
+    tokenizer: str = str(DEFAULT_TOKENIZER_DIR)
+    tokenizers: dict[str, str] = field(default_factory=dict)  # model -> tokenizer dir/file
+    tenant_header: str | None = None  # when set, its value is the cache_salt (trusted gateway header)
+    session_header: str = "x-session-id"
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_attempts: int = 3
+    probe_interval_s: float = 1.0
+    upstream_timeout_s: float = 600.0
+    decision_log_size: int = 100
+
+
+def _check(value: Any, tp: Any, where: str) -> Any:
+    """Coerce/validate ``value`` against a dataclass field type; nested dataclasses from mappings."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check(value, inner[0], where)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping")
+        return _build(tp, value, where)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping")
+        return {str(k): _check(v, typing.get_args(tp)[1], f"{where}.{k}") for k, v in value.items()}
+    if origin is list and typing.get_args(tp)[0] is WorkerSpec:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list of workers")
+        try:
+            return [_spec(e, f"{where}[{i}]") if isinstance(e, dict) else parse_worker_arg(str(e))
+                    for i, e in enumerate(value)]
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return value
+
+
+def _build(cls: Any, data: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(names)}")
+    kwargs = {k: _check(v, hints[k], f"{where}.{k}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RouterConfig:
+    """Read the YAML file (if any), then apply dotted-key overrides such as ``{"routing.policy": "precise"}``."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+        data = loaded or {}
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    cfg = _build(RouterConfig, data, str(path or "config"))
+    if cfg.max_attempts < 1:
+        raise ConfigError("max_attempts must be at least 1")
+    return cfg
+
+
+__all__ = ["Admin", "ConfigError", "CostParams", "Listen", "RouterConfig", "load_config"]

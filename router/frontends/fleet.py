@@ -1,0 +1,176 @@
+"""The live fleet around one routing core: event subscriptions, health probes, metric scrapes, discovery.
+
+The adapters here keep ``RoutingCore`` fed (endpoints, engine metrics, KV events) and share one clock
+(``time.monotonic``) with it. Used by both the proxy and the endpoint picker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+
+from router.discovery import DiscoveryError, WorkerSpec, load_workers_file
+from router.events.subscriber import EventSource, KvEventSubscriber
+from router.load import parse_engine_metrics
+from router.scheduling import Endpoint, RoutingCore
+
+log = logging.getLogger(__name__)
+
+
+class Fleet:
+    def __init__(
+        self,
+        core: RoutingCore,
+        *,
+        probe_interval_s: float = 1.0,
+        probe_timeout_s: float = 1.0,
+        unhealthy_after: int = 2,
+        events_bind: str | None = None,
+        workers_file: str | None = None,
+        file_poll_s: float = 1.0,
+    ) -> None:
+        self.core = core
+        self.clock = time.monotonic
+        self.probe_interval_s = probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.unhealthy_after = unhealthy_after
+        self.workers_file = workers_file
+        self.file_poll_s = file_poll_s
+        self.specs: dict[str, WorkerSpec] = {}
+        self.failures: dict[str, int] = {}
+        self.subscriber = KvEventSubscriber(core.feeder, bind=events_bind, clock=self.clock)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._session: aiohttp.ClientSession | None = None
+        self._file_mtime: float | None = None
+
+    # ---- membership --------------------------------------------------------------------------
+    def set_workers(self, specs: Sequence[WorkerSpec]) -> None:
+        """Make the fleet exactly ``specs``: add new workers, update changed ones, remove the rest."""
+        wanted = {s.worker_id: s for s in specs}
+        for wid in list(self.specs):
+            if wid not in wanted:
+                self.remove(wid)
+        for spec in specs:
+            old = self.specs.get(spec.worker_id)
+            if old != spec:
+                self.add(spec)
+
+    def add(self, spec: WorkerSpec) -> None:
+        prev = self.core.endpoints.get(spec.worker_id)
+        self.specs[spec.worker_id] = spec
+        self.core.upsert_endpoint(Endpoint(
+            spec.worker_id, spec.address, spec.models, spec.loras,
+            healthy=prev.healthy if prev else True, draining=prev.draining if prev else False,
+            url=spec.url, events=bool(spec.events) or self.subscriber.bind is not None,
+        ))
+        if spec.events:
+            self.subscriber.add_source(EventSource(spec.worker_id, spec.events, spec.replay, spec.topic))
+        elif spec.replay:
+            self.subscriber.replay_endpoints[spec.worker_id] = spec.replay
+
+    def remove(self, worker_id: str) -> None:
+        self.specs.pop(worker_id, None)
+        self.subscriber.remove_source(worker_id)
+        self.core.remove_endpoint(worker_id)
+
+    def drain(self, worker_id: str, draining: bool = True) -> bool:
+        ep = self.core.endpoints.get(worker_id)
+        if ep is None:
+            return False
+        ep.draining = draining
+        return True
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s))
+        await self.subscriber.start()
+        if self.workers_file:
+            self._reload_file(initial=True)
+            self._tasks.append(asyncio.create_task(self._watch_file()))
+        self._tasks.append(asyncio.create_task(self._probe_loop()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+        await self.subscriber.stop()
+        if self._session is not None:
+            await self._session.close()
+
+    # ---- discovery file ----------------------------------------------------------------------
+    def _reload_file(self, initial: bool = False) -> None:
+        assert self.workers_file is not None
+        path = Path(self.workers_file)
+        try:
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:
+            if initial:
+                raise
+            log.warning("workers file %s is gone; keeping the last known workers", path)
+            return
+        if mtime == self._file_mtime:
+            return
+        try:
+            specs = load_workers_file(path)
+        except DiscoveryError:
+            if initial:
+                raise
+            log.exception("workers file %s is invalid; keeping the last known workers", path)
+            return
+        self._file_mtime = mtime
+        self.set_workers(specs)
+        log.info("workers file %s: %d workers", path, len(specs))
+
+    async def _watch_file(self) -> None:
+        while True:
+            await asyncio.sleep(self.file_poll_s)
+            self._reload_file()
+
+    # ---- health and metrics ------------------------------------------------------------------
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self.probe(wid) for wid in list(self.specs)), return_exceptions=True)
+            await asyncio.sleep(self.probe_interval_s)
+
+    async def probe(self, worker_id: str) -> None:
+        """GET /health and /metrics: a failure of either counts; ``unhealthy_after`` in a row removes the worker
+        from the candidates until one probe succeeds."""
+        spec = self.specs.get(worker_id)
+        ep = self.core.endpoints.get(worker_id)
+        if spec is None or ep is None or self._session is None:
+            return
+        ok = False
+        try:
+            async with self._session.get(spec.url + "/health") as r:
+                ok = r.status == 200
+            if ok:
+                async with self._session.get(spec.url + "/metrics") as r:
+                    if r.status == 200:
+                        self.core.update_metrics(worker_id, parse_engine_metrics(await r.text(), self.clock()))
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            log.debug("probe of %s failed: %r", worker_id, e)
+            ok = False
+        if ok:
+            self.failures[worker_id] = 0
+            if not ep.healthy:
+                log.info("worker %s is healthy again", worker_id)
+            ep.healthy = True
+        else:
+            self.mark_failure(worker_id)
+
+    def mark_failure(self, worker_id: str) -> None:
+        n = self.failures.get(worker_id, 0) + 1
+        self.failures[worker_id] = n
+        ep = self.core.endpoints.get(worker_id)
+        if ep is not None and n >= self.unhealthy_after and ep.healthy:
+            log.warning("worker %s marked unhealthy after %d failures", worker_id, n)
+            ep.healthy = False

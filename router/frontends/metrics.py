@@ -1,0 +1,82 @@
+"""Prometheus metrics of the router itself (one registry per router instance)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from router.frontends.fleet import Fleet
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _FleetState:
+    """Gauges and counters read from the core and the feed at scrape time."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        core = self.fleet.core
+        now = self.fleet.clock()
+        inflight = GaugeMetricFamily("kvrouter_worker_inflight_requests", "Requests in flight per worker.",
+                                     labels=["worker"])
+        pending = GaugeMetricFamily("kvrouter_worker_pending_prefill_tokens",
+                                    "Uncached prompt tokens sent and not yet prefilled, per worker.", labels=["worker"])
+        state = GaugeMetricFamily("kvrouter_worker_index_state", "1 for the worker's current index state.",
+                                  labels=["worker", "state"])
+        healthy = GaugeMetricFamily("kvrouter_worker_healthy", "1 if the worker is a candidate.", labels=["worker"])
+        blocks = GaugeMetricFamily("kvrouter_index_blocks", "Blocks the index holds per worker and medium.",
+                                   labels=["worker", "medium"])
+        events = CounterMetricFamily("kvrouter_kv_events", "KV events applied.", labels=["worker", "type"])
+        gaps = CounterMetricFamily("kvrouter_kv_event_gaps", "Sequence gaps seen.", labels=["worker", "filled"])
+        malformed = CounterMetricFamily("kvrouter_kv_event_malformed", "Malformed frames or events skipped.",
+                                        labels=["worker"])
+        stale = 0
+        for wid, ep in core.endpoints.items():
+            load = core.load.workers.get(wid)
+            inflight.add_metric([wid], load.requests if load else 0)
+            pending.add_metric([wid], load.pending_prefill_tokens if load else 0)
+            st = core.index_state(wid, now)
+            stale += st != "synced"
+            for s in ("synced", "unsynced", "stale", "no-events"):
+                state.add_metric([wid, s], 1.0 if s == st else 0.0)
+            healthy.add_metric([wid], 1.0 if ep.healthy and not ep.draining else 0.0)
+            for medium, n in core.index.blocks_held(wid).items():
+                blocks.add_metric([wid, medium.name], n)
+            feed = core.feeder.feeds.get(wid)
+            if feed is not None:
+                for kind, n in feed.events.items():
+                    events.add_metric([wid, kind], n)
+                gaps.add_metric([wid, "true"], feed.gaps_filled)
+                gaps.add_metric([wid, "false"], feed.gaps - feed.gaps_filled)
+                malformed.add_metric([wid], feed.malformed)
+        yield from (inflight, pending, state, healthy, blocks, events, gaps, malformed)
+        yield GaugeMetricFamily("kvrouter_index_entries", "Resident (worker, medium, block) entries.",
+                                value=len(core.index))
+        yield GaugeMetricFamily("kvrouter_workers_without_prefix_credit",
+                                "Workers routed on load only (unsynced, stale or without events).", value=stale)
+
+
+class RouterMetrics:
+    def __init__(self, fleet: Fleet) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_FleetState(fleet))  # type: ignore[arg-type]
+        r = self.registry
+        self.decisions = Counter("kvrouter_decisions", "Routing decisions.", ["policy", "outcome", "credit"],
+                                 registry=r)
+        self.requests = Counter("kvrouter_requests", "Requests by final status.", ["status"], registry=r)
+        self.retries = Counter("kvrouter_retries", "Requests retried on the next-best worker.", registry=r)
+        self.hit_estimated = Counter("kvrouter_prefix_hit_tokens_estimated",
+                                     "Prompt tokens the router expected cached on the chosen worker.", registry=r)
+        self.hit_reported = Counter("kvrouter_prefix_hit_tokens_reported",
+                                    "Prompt tokens the workers reported cached (usage.cached_tokens).", registry=r)
+        self.prompt_tokens = Counter("kvrouter_prompt_tokens", "Prompt tokens routed.", registry=r)
+        self.ttft = Histogram("kvrouter_time_to_first_token_seconds", "Time to first byte of output, through the "
+                              "router.", buckets=TTFT_BUCKETS, registry=r)
+        self.decision_seconds = Histogram("kvrouter_decision_seconds", "Time to parse, tokenize and decide.",
+                                          buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1),
+                                          registry=r)

@@ -1,0 +1,312 @@
+"""``kvrouter serve``: a standalone OpenAI-compatible proxy in front of the workers.
+
+Per request: read the body once, tokenize (chat through the model's template), key the blocks, ask the
+routing core, forward the body unchanged (except a ``cache_salt`` forced from a trusted tenant header) and
+stream the answer back chunk by chunk. A connection error or a 5xx before any byte reached the client is
+retried on the next-best worker; nothing is retried once the client has bytes. Where a request goes is
+decided here alone: client headers naming a destination are ignored and never forwarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from router.config import RouterConfig
+from router.frontends.fleet import Fleet
+from router.frontends.metrics import RouterMetrics
+from router.frontends.openai import BadRequest, ParsedRequest, parse_body
+from router.scheduling import Decision, RoutingCore
+from router.tokenizer import PromptTokenizer, load_tokenizer
+
+log = logging.getLogger("kvrouter.proxy")
+
+DESTINATION_HEADERS = {"x-gateway-destination-endpoint", "x-gateway-destination-endpoint-subset"}
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+              "transfer-encoding", "upgrade", "host", "content-length"}
+USAGE_TAIL_BYTES = 8192
+
+
+def error(status: int, message: str, kind: str = "BadRequestError", headers: dict[str, str] | None = None
+          ) -> web.Response:
+    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def cached_tokens_from(tail: bytes, streamed: bool) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` from a JSON body or the last SSE chunks."""
+    try:
+        if not streamed:
+            usage = json.loads(tail).get("usage") or {}
+            return (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        for line in reversed(tail.split(b"\n")):
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                usage = json.loads(line[6:]).get("usage") or {}
+                return (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    except (ValueError, AttributeError):
+        return None
+    return None
+
+
+class ProxyServer:
+    def __init__(self, config: RouterConfig, core: RoutingCore | None = None) -> None:
+        self.config = config
+        self.core = core or RoutingCore(config.routing)
+        self.fleet = Fleet(self.core, probe_interval_s=config.probe_interval_s, events_bind=config.events_bind,
+                           workers_file=config.workers_file)
+        self.metrics = RouterMetrics(self.fleet)
+        self.decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=config.decision_log_size)
+        self._session: aiohttp.ClientSession | None = None
+        self.inflight_tasks = 0
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.upstream_timeout_s, sock_connect=2.0)
+        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
+                                              connector=aiohttp.TCPConnector(limit=0))
+        for spec in self.config.workers:
+            self.fleet.add(spec)
+        await self.fleet.start()
+
+    async def stop(self) -> None:
+        await self.fleet.stop()
+        if self._session is not None:
+            await self._session.close()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.add_routes([
+            web.post("/v1/completions", self.generate),
+            web.post("/v1/chat/completions", self.generate),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/metrics", self.prometheus),
+        ])
+        return app
+
+    def admin_app(self) -> web.Application:
+        app = web.Application()
+        app.add_routes([
+            web.get("/debug/decision", self.debug_decisions),
+            web.get("/admin/workers", self.workers_state),
+            web.post("/admin/drain", self.drain),
+            web.post("/admin/undrain", self.drain),
+            web.get("/metrics", self.prometheus),
+        ])
+        return app
+
+    def tokenizer_for(self, model: str | None) -> PromptTokenizer:
+        path = self.config.tokenizers.get(model or "", self.config.tokenizer)
+        return load_tokenizer(path)
+
+    # ---- the request path ------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        started = time.monotonic()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self.metrics.requests.labels("413").inc()
+            return error(413, f"request body over the {self.config.max_body_bytes}-byte limit",
+                         "RequestEntityTooLarge")
+        tenant = request.headers.get(self.config.tenant_header) if self.config.tenant_header else None
+        try:
+            parsed = parse_body(raw, request.path, self.tokenizer_for, forced_salt=tenant)
+        except BadRequest as e:
+            self.metrics.requests.labels(str(e.status)).inc()
+            return error(e.status, str(e), "NotFoundError" if e.status == 404 else "BadRequestError")
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        lora = parsed.model if parsed.model and self._is_lora(parsed.model) else None
+        rreq = parsed.route_request(rid, self.config.routing.block_size, lora=lora,
+                                    session=request.headers.get(self.config.session_header))
+        now = time.monotonic()
+        decision = self.core.decide(rreq, now)
+        self.metrics.decision_seconds.observe(now - started)
+        credited = any(c.prefix_credit for c in decision.candidates if not c.filtered)
+        self.metrics.decisions.labels(decision.policy, decision.outcome, str(credited).lower()).inc()
+        self._log_decision(rid, rreq.prompt_tokens, decision)
+        if decision.outcome == "shed":
+            self.metrics.requests.labels("429").inc()
+            return error(429, "all workers are saturated; retry later", "TooManyRequests",
+                         {"Retry-After": str(max(1, round(decision.retry_after_s)))})
+        if decision.outcome != "routed":
+            self.metrics.requests.labels("503").inc()
+            return error(503, decision.reason, "ServiceUnavailableError")
+        body = json.dumps(parsed.body).encode() if tenant is not None else raw
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in HOP_BY_HOP and k.lower() not in DESTINATION_HEADERS}
+        return await self._forward(request, rreq, parsed, decision, body, headers, started)
+
+    async def _forward(self, request: web.Request, rreq: Any, parsed: ParsedRequest, decision: Decision,
+                       body: bytes, headers: dict[str, str], started: float) -> web.StreamResponse:
+        assert self._session is not None
+        last_error = "no worker answered"
+        attempts = decision.ranked[: self.config.max_attempts]
+        for attempt, wid in enumerate(attempts):
+            ep = self.core.endpoints.get(wid)
+            if ep is None:
+                continue
+            self.core.dispatched(rreq, wid, decision, time.monotonic())
+            try:
+                upstream = await self._session.post(ep.url + request.path, data=body, headers=headers)
+            except (aiohttp.ClientConnectionError, TimeoutError) as e:
+                last_error = f"worker {wid} unreachable: {e!r}"
+                self._failed(rreq.request_id, wid, attempt, len(attempts))
+                continue
+            if upstream.status >= 500 and attempt + 1 < len(attempts):
+                last_error = f"worker {wid} answered {upstream.status}"
+                upstream.release()
+                self._failed(rreq.request_id, wid, attempt, len(attempts))
+                continue
+            return await self._relay(request, rreq, parsed, decision, wid, upstream, started)
+        self.core.completed(rreq.request_id, time.monotonic())
+        self.metrics.requests.labels("502").inc()
+        return error(502, f"no worker could serve the request: {last_error}", "BadGatewayError")
+
+    def _failed(self, rid: str, wid: str, attempt: int, attempts: int) -> None:
+        self.core.completed(rid, time.monotonic())
+        self.fleet.mark_failure(wid)
+        if attempt + 1 < attempts:
+            self.metrics.retries.inc()
+
+    async def _relay(self, request: web.Request, rreq: Any, parsed: ParsedRequest, decision: Decision, wid: str,
+                     upstream: aiohttp.ClientResponse, started: float) -> web.StreamResponse:
+        rid = rreq.request_id
+        resp = web.StreamResponse(status=upstream.status)
+        for k, v in upstream.headers.items():
+            if k.lower() not in HOP_BY_HOP:
+                resp.headers[k] = v
+        resp.headers["x-kvrouter-worker"] = wid
+        tail = b""
+        first = True
+        streamed = parsed.stream
+        try:
+            await resp.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                if first:
+                    first = False
+                    now = time.monotonic()
+                    if streamed and upstream.status == 200:
+                        self.core.first_token(rid, now)
+                        self.metrics.ttft.observe(now - started)
+                await resp.write(chunk)
+                tail = (tail + chunk)[-USAGE_TAIL_BYTES:] if streamed else tail + chunk
+            await resp.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
+            # the client went away: dropping the upstream connection cancels the request on the worker
+            upstream.close()
+            self.core.completed(rid, time.monotonic())
+            self.metrics.requests.labels("499").inc()
+            raise
+        except aiohttp.ClientError as e:  # the worker died mid-stream: nothing can be retried now
+            log.warning("worker %s failed mid-response for %s: %r", wid, rid, e)
+            upstream.close()
+            self.fleet.mark_failure(wid)
+            self.core.completed(rid, time.monotonic())
+            self.metrics.requests.labels("502").inc()
+            resp.force_close()
+            return resp
+        now = time.monotonic()
+        if not streamed:
+            self.core.first_token(rid, now, learn=False)  # only a stream tells when the first token came
+            self.metrics.ttft.observe(now - started)
+        self.core.completed(rid, now)
+        upstream.release()
+        self.metrics.requests.labels(str(upstream.status)).inc()
+        if upstream.status == 200:
+            reported = cached_tokens_from(tail, streamed)
+            chosen = next((c for c in decision.candidates if c.worker_id == wid), None)
+            if chosen is not None:
+                est = min((chosen.matched_gpu + chosen.matched_cpu + chosen.matched_storage) * rreq.block_size,
+                          max(rreq.prompt_tokens - 1, 0))
+                self.metrics.hit_estimated.inc(est)
+            if reported is not None:
+                self.metrics.hit_reported.inc(reported)
+            self.metrics.prompt_tokens.inc(rreq.prompt_tokens)
+        return resp
+
+    def _is_lora(self, model: str) -> bool:
+        return any(model in ep.loras for ep in self.core.endpoints.values())
+
+    def _log_decision(self, rid: str, prompt_tokens: int, decision: Decision) -> None:
+        entry = {"request_id": rid, "time": time.time(), "prompt_tokens": prompt_tokens, **decision.as_dict()}
+        self.decisions.append(entry)
+        log.info("route %s -> %s (%s; %s)", rid, decision.chosen, decision.outcome, decision.reason)
+
+    # ---- other endpoints ---------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        assert self._session is not None
+        seen: dict[str, dict[str, Any]] = {}
+        for ep in list(self.core.endpoints.values()):
+            if not ep.healthy:
+                continue
+            try:
+                async with self._session.get(ep.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    data = await r.json()
+                for m in data.get("data", []):
+                    seen.setdefault(m.get("id"), m)
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                continue
+        return web.json_response({"object": "list", "data": list(seen.values())})
+
+    async def health(self, request: web.Request) -> web.Response:
+        ready = any(ep.healthy and not ep.draining for ep in self.core.endpoints.values())
+        return web.json_response({"status": "ok" if ready else "no healthy workers"}, status=200 if ready else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8")
+
+    async def debug_decisions(self, request: web.Request) -> web.Response:
+        try:
+            n = int(request.query.get("n", "20"))
+        except ValueError:
+            return error(400, "n must be an integer")
+        return web.json_response({"decisions": list(self.decisions)[-n:]})
+
+    async def workers_state(self, request: web.Request) -> web.Response:
+        now = time.monotonic()
+        out = {}
+        for wid, ep in self.core.endpoints.items():
+            st = self.core.feeder.status(wid, now)
+            load = self.core.load.workers.get(wid)
+            out[wid] = {"url": ep.url, "address": ep.address, "healthy": ep.healthy, "draining": ep.draining,
+                        "index_state": self.core.index_state(wid, now), "last_event_age_s": st.last_event_age_s,
+                        "last_seq": st.last_seq, "blocks": {m.name: n for m, n in st.blocks.items()},
+                        "inflight": load.requests if load else 0}
+        return web.json_response({"workers": out})
+
+    async def drain(self, request: web.Request) -> web.Response:
+        wid = request.query.get("worker")
+        if not wid:
+            return error(400, "?worker=ID is required")
+        if not self.fleet.drain(wid, draining=request.path.endswith("/drain")):
+            return error(404, f"unknown worker {wid!r}", "NotFoundError")
+        return web.json_response({"worker": wid, "draining": self.core.endpoints[wid].draining})
+
+
+async def run_proxy(config: RouterConfig) -> None:
+    """Serve until cancelled: the proxy on ``listen``, admin and debug on ``admin`` (localhost by default)."""
+    server = ProxyServer(config)
+    await server.start()
+    runners = []
+    try:
+        for app, bind in ((server.app(), config.listen), (server.admin_app(), config.admin)):
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, bind.host, bind.port).start()
+            runners.append(runner)
+        log.info("kvrouter serve: proxy on %s:%d, admin on %s:%d, policy %s", config.listen.host,
+                 config.listen.port, config.admin.host, config.admin.port, config.routing.policy)
+        await asyncio.Event().wait()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        await server.stop()
