@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
 import subprocess
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -65,7 +65,7 @@ async def workers(n: int, **kw) -> AsyncIterator[list[RunningWorker]]:
 class WorkerProcess:
     """A simulated worker in its own process, to be killed for real."""
 
-    proc: "subprocess.Popen[bytes]"
+    proc: subprocess.Popen[bytes]
     port: int
     events: str
     replay: str

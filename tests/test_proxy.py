@@ -56,7 +56,7 @@ async def test_shared_prefix_requests_land_where_the_prefix_is():
         async with proxy([spec_of(w, f"w{i}") for i, w in enumerate(ws)]) as (server, url, admin):
             await asyncio.sleep(0.3)  # subscriptions settle
             async with aiohttp.ClientSession() as s:
-                st, first, h = await post(s, url + "/v1/completions", {"prompt": SYSTEM + "question zero", "max_tokens": 2})
+                st, _, h = await post(s, url + "/v1/completions", {"prompt": SYSTEM + "question zero", "max_tokens": 2})
                 assert st == 200
                 holder = h["x-kvrouter-worker"]
                 await wait_until(lambda: sum(server.core.index.blocks_held(holder).values()) > 0)
@@ -68,7 +68,7 @@ async def test_shared_prefix_requests_land_where_the_prefix_is():
                     assert cached >= len(SYSTEM.split()) // 2  # the workers' own count confirms the hit
                 # chat goes through the same template as the worker's: its prefix hits too
                 msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
-                st, a, h1 = await post(s, url + "/v1/chat/completions", {"messages": msgs, "max_tokens": 2})
+                st, _, h1 = await post(s, url + "/v1/chat/completions", {"messages": msgs, "max_tokens": 2})
                 msgs[1]["content"] = "hello again"
                 st, b, h2 = await post(s, url + "/v1/chat/completions", {"messages": msgs, "max_tokens": 2})
                 assert h1["x-kvrouter-worker"] == h2["x-kvrouter-worker"]
