@@ -90,6 +90,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from router.demo import main as demo_main
+
+    return demo_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description="Cache-aware request router for LLM fleets.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(ws)
     ws.set_defaults(handler=_worker_sim)
+
+    dm = sub.add_parser("demo", help="simulated workers + proxy on this machine: compare policies, print a "
+                        "table, write a chart")
+    from router.demo import add_arguments as demo_arguments
+
+    demo_arguments(dm)
+    dm.set_defaults(handler=_demo)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible proxy that routes on KV-cache residency and load",
                         description="Every option overrides the same key of --config (YAML).")
