@@ -46,14 +46,18 @@ def test_cost_model_hand_computed():
     est = cm.estimate("a", 1000, 16, PrefixMatch(gpu=50, cpu=10), None, None)
     assert est.uncached_tokens == 40
     assert est.prefill_s == pytest.approx(0.01 + 40e-4 + 160e-5)
-    # queue: 5000 pending prefill tokens over 3 queued requests, plus 4 decoding
+    # queue: 5000 pending prefill tokens batch with this request's 1000 (one 8192-token step): the wait is
+    # their per-token cost, the step overhead is shared
     load = WorkerLoad(requests=7, pending_prefill_tokens=5000, decoding=4)
     est = cm.estimate("a", 1000, 16, None, load, None)
-    assert est.queue_s == pytest.approx(5000e-4 + 3 * 0.01)
+    assert est.queue_s == pytest.approx(5000e-4)
     assert est.decode_s == pytest.approx(4e-3)
+    # past the step budget, pending work takes steps of its own: 20000 + 1000 tokens = 3 steps
+    est = cm.estimate("a", 1000, 16, None, WorkerLoad(requests=3, pending_prefill_tokens=20000), None)
+    assert est.queue_s == pytest.approx(2 * 0.01 + 20000e-4)
     # engine metrics say more is waiting than we know of (another router): they win
     est = cm.estimate("a", 1000, 16, None, None, EngineMetrics(waiting=2, running=9, kv_usage=0.5, scraped_at=0))
-    assert est.queue_s == pytest.approx(2 * p.waiting_prompt_tokens * 1e-4)
+    assert est.queue_s == pytest.approx(2 * p.waiting_prompt_tokens * 1e-4)  # 5096 tokens: one step
     assert est.decode_s == pytest.approx(9e-3)
     # a full hit still prefills the last token
     assert cm.estimate("a", 32, 16, PrefixMatch(gpu=2), None, None).uncached_tokens == 1

@@ -3,7 +3,9 @@
     ttft = queue wait + prefill(uncached tokens) + load-back(CPU/storage hits) + decode interference
 
 - queue wait: prefill work already sent to the worker and not yet done (router accounting), or the engine's
-  own waiting count when that says more (other routers also feed it), converted by the prefill rate;
+  own waiting count when that says more (other routers also feed it). Engines batch prefills: pending work
+  and this request's share steps of up to ``step_token_budget`` tokens, so the wait is what prefilling
+  pending + own tokens costs beyond prefilling its own tokens alone, not a sum of per-request steps;
 - prefill: the same quadratic-in-tokens shape as the engine (attention is quadratic), default calibrated to
   the engine model's timing (Dynamo's mocker fit);
 - GPU hits are free; CPU-tier hits cost a load-back per token, storage hits more;
@@ -11,7 +13,9 @@
 A per-worker exponentially weighted factor learns how far observed TTFTs sit from these estimates.
 
 The score adds what this request costs the others: its prefill stalls every decode running on that worker
-for the prefill's length (``interference_s = running * prefill``), weighted by ``interference_weight``.
+for the prefill's length (``interference_s = running * prefill``), weighted by ``interference_weight``; and
+the prefill compute itself, weighted by ``compute_weight``: two cold copies of one prefix finish no sooner
+than one copy and a cache hit, but burn twice the GPU time (a burst of one new prefix stays together).
 Minimising TTFT alone piles conversations onto their holders and stretches everyone's end-to-end latency;
 the interference term keeps cheap (cached) prefills on the holder and sends expensive cold ones where
 fewer decodes would wait for them.
@@ -30,10 +34,12 @@ class CostParams:
     prefill_s_per_token: float = 1.518e-5
     prefill_s_per_token_sq: float = 4.21e-10
     prefill_step_s: float = 0.0165
+    step_token_budget: int = 8192  # the engines' max_num_batched_tokens
     load_back_s_per_token: float = 1e-6  # CPU tier -> GPU
     storage_s_per_token: float = 5e-6  # storage tier -> GPU
     decode_s_per_running: float = 2e-4
     interference_weight: float = 0.05
+    compute_weight: float = 1.0
     waiting_prompt_tokens: int = 2048  # assumed size of each engine-reported waiting request
     learn_rate: float = 0.1  # EWMA weight of each observed TTFT (0 disables learning)
     learn_min: float = 0.25
@@ -56,6 +62,7 @@ class Estimate:
     uncached_tokens: int
     interference_s: float = 0.0  # decode time this prefill takes from requests already running there
     interference_weight: float = 0.0
+    compute_weight: float = 0.0
 
     @property
     def ttft_s(self) -> float:
@@ -63,7 +70,7 @@ class Estimate:
 
     @property
     def score(self) -> float:
-        return self.ttft_s + self.interference_weight * self.interference_s
+        return self.ttft_s + self.interference_weight * self.interference_s + self.compute_weight * self.prefill_s
 
 
 @dataclass
@@ -72,10 +79,12 @@ class CostModel:
     scale: dict[str, float] = field(default_factory=dict)  # learned per worker
 
     def prefill_s(self, tokens: int) -> float:
+        """Time to prefill ``tokens`` in as few steps as the token budget allows."""
         p = self.params
         if tokens <= 0:
             return 0.0
-        return p.prefill_step_s + p.prefill_s_per_token * tokens + p.prefill_s_per_token_sq * tokens * tokens
+        steps = -(-tokens // max(p.step_token_budget, 1))
+        return steps * p.prefill_step_s + p.prefill_s_per_token * tokens + p.prefill_s_per_token_sq * tokens * tokens / steps
 
     def estimate(self, worker_id: str, prompt_tokens: int, block_size: int, match: PrefixMatch | None,
                  load: WorkerLoad | None, metrics: EngineMetrics | None) -> Estimate:
@@ -89,16 +98,16 @@ class CostModel:
         pending = load.pending_prefill_tokens if load else 0
         if metrics is not None and metrics.waiting is not None:
             pending = max(pending, int(metrics.waiting) * p.waiting_prompt_tokens)
-        # queued prefills run in steps of their own: per-token cost, plus one step overhead per request queued
-        queued_reqs = (load.requests - load.decoding) if load else 0
-        queue = p.prefill_s_per_token * pending + p.prefill_step_s * max(queued_reqs, 0) if pending else 0.0
-        prefill = self.prefill_s(uncached) + cpu * p.load_back_s_per_token + storage * p.storage_s_per_token
+        own = self.prefill_s(uncached)
+        queue = self.prefill_s(pending + uncached) - own if pending else 0.0  # batched with what is pending
+        prefill = own + cpu * p.load_back_s_per_token + storage * p.storage_s_per_token
         running = load.decoding if load else 0
         if metrics is not None and metrics.running is not None:
             running = max(running, int(metrics.running))
         decode = running * p.decode_s_per_running
         k = self.scale.get(worker_id, 1.0)
-        return Estimate(queue * k, prefill * k, decode * k, uncached, running * prefill * k, p.interference_weight)
+        return Estimate(queue * k, prefill * k, decode * k, uncached, running * prefill * k, p.interference_weight,
+                        p.compute_weight)
 
     def observe(self, worker_id: str, predicted_s: float | None, observed_s: float) -> None:
         """Fold one observed TTFT into the worker's correction factor."""
