@@ -84,7 +84,8 @@ class CostModel:
         if tokens <= 0:
             return 0.0
         steps = -(-tokens // max(p.step_token_budget, 1))
-        return steps * p.prefill_step_s + p.prefill_s_per_token * tokens + p.prefill_s_per_token_sq * tokens * tokens / steps
+        per_step_sq = p.prefill_s_per_token_sq * tokens * tokens / steps  # attention is quadratic within a step
+        return steps * p.prefill_step_s + p.prefill_s_per_token * tokens + per_step_sq
 
     def estimate(self, worker_id: str, prompt_tokens: int, block_size: int, match: PrefixMatch | None,
                  load: WorkerLoad | None, metrics: EngineMetrics | None) -> Estimate:
