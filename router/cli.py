@@ -96,6 +96,12 @@ def _demo(args: argparse.Namespace) -> int:
     return demo_main(args)
 
 
+def _bench_proxy(args: argparse.Namespace) -> int:
+    from router.bench.proxy_bench import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description="Cache-aware request router for LLM fleets.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -164,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--json", action="store_true")
     bd.add_argument("--quick", action="store_true")
     bd.set_defaults(handler=_bench_decide)
+    bp = bsub.add_parser("proxy", help="added latency and req/s: direct vs kvrouter serve vs smg")
+    bp.add_argument("--json", action="store_true")
+    bp.add_argument("--quick", action="store_true")
+    bp.set_defaults(handler=_bench_proxy)
     return parser
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from aiohttp import web
 
 from router.bench.load import free_port, server_process
+from router.bench.peers import PeerUnavailable
 from router.config import load_config
 from router.discovery import parse_worker_arg
 from router.frontends.proxy import ProxyServer
@@ -95,7 +96,7 @@ async def _one(session: aiohttp.ClientSession, url: str, req: DemoRequest, start
                 run.errors += 1
                 await r.read()
                 return
-            worker = r.headers.get("x-kvrouter-worker", "?")
+            worker = r.headers.get("x-kvrouter-worker") or r.headers.get("x-smg-routed-worker-id", "?")
             async for chunk in r.content.iter_any():
                 if first is None:
                     first = time.monotonic()
@@ -117,12 +118,17 @@ async def _one(session: aiohttp.ClientSession, url: str, req: DemoRequest, start
     run.per_worker[worker] = run.per_worker.get(worker, 0) + 1
 
 
-async def run_policy(policy: str, workers: list[str], worker_urls: list[str], workload: list[DemoRequest],
-                     progress: bool) -> PolicyRun:
+async def _reset(worker_urls: list[str]) -> None:
     async with aiohttp.ClientSession() as s:
         for u in worker_urls:  # every policy starts from cold caches
             async with s.post(u + "/reset_prefix_cache") as r:
                 await r.read()
+
+
+async def run_policy(policy: str, workers: list[str], worker_urls: list[str], workload: list[DemoRequest],
+                     progress: bool) -> PolicyRun:
+    """One of our policies through ``kvrouter serve`` (in this process)."""
+    await _reset(worker_urls)
     cfg = load_config(None, {"routing.policy": policy, "routing.block_size": 16, "probe_interval_s": 0.5})
     cfg.workers = [parse_worker_arg(w) for w in workers]
     server = ProxyServer(cfg)
@@ -132,33 +138,46 @@ async def run_policy(policy: str, workers: list[str], worker_urls: list[str], wo
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     await asyncio.sleep(0.5)  # event subscriptions settle
-    run = PolicyRun(policy)
     try:
-        conn = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=conn) as session:
-            start = time.monotonic()
-            tasks = [asyncio.create_task(_one(session, f"http://127.0.0.1:{port}/v1/completions", r, start, run))
-                     for r in workload]
-            total = len(tasks)
-            tty = sys.stderr.isatty()
-            shown = -1
-            while True:
-                done = sum(t.done() for t in tasks)
-                step = 25 * done // total
-                if progress and (tty or step // 5 != shown // 5) and step != shown:
-                    bar = "#" * step + "." * (25 - step)
-                    print(f"{chr(13) if tty else ''}  {policy:<14} [{bar}] {done}/{total}", end="" if tty else "\n",
-                          file=sys.stderr, flush=True)
-                    shown = step
-                if done == total:
-                    break
-                await asyncio.sleep(0.25)
-            if progress and tty:
-                print(file=sys.stderr)
-            run.wall_s = time.monotonic() - start
+        return await drive_workload(policy, f"http://127.0.0.1:{port}/v1/completions", workload, progress)
     finally:
         await runner.cleanup()
         await server.stop()
+
+
+def run_smg(worker_urls: list[str], workload: list[DemoRequest], progress: bool) -> PolicyRun:
+    """The peer: SGLang's model gateway, cache_aware policy, in front of the same workers."""
+    from router.bench.peers import smg
+
+    asyncio.run(_reset(worker_urls))
+    with smg(worker_urls) as url:
+        asyncio.run(_reset(worker_urls))  # smg's readiness probe request warmed a cache: start cold
+        return asyncio.run(drive_workload("smg", url + "/v1/completions", workload, progress))
+
+
+async def drive_workload(policy: str, url: str, workload: list[DemoRequest], progress: bool) -> PolicyRun:
+    run = PolicyRun(policy)
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        start = time.monotonic()
+        tasks = [asyncio.create_task(_one(session, url, r, start, run)) for r in workload]
+        total = len(tasks)
+        tty = sys.stderr.isatty()
+        shown = -1
+        while True:
+            done = sum(t.done() for t in tasks)
+            step = 25 * done // total
+            if progress and (tty or step // 5 != shown // 5) and step != shown:
+                bar = "#" * step + "." * (25 - step)
+                print(f"{chr(13) if tty else ''}  {policy:<14} [{bar}] {done}/{total}", end="" if tty else "\n",
+                      file=sys.stderr, flush=True)
+                shown = step
+            if done == total:
+                break
+            await asyncio.sleep(0.25)
+        if progress and tty:
+            print(file=sys.stderr)
+        run.wall_s = time.monotonic() - start
     return run
 
 
@@ -224,6 +243,12 @@ def main(args: argparse.Namespace) -> int:
             specs.append(f"{urls[-1]},id=w{i},events=tcp://127.0.0.1:{ev},replay=tcp://127.0.0.1:{rp}")
         print(f"workers up in {time.monotonic() - started:.1f} s", flush=True)
         for policy in policies:
+            if policy == "smg":
+                try:
+                    runs.append(run_smg(urls, workload, progress=True))
+                except PeerUnavailable as e:
+                    print(f"  smg skipped: {e}", file=sys.stderr)
+                continue
             runs.append(asyncio.run(run_policy(policy, specs, urls, workload, progress=True)))
     print()
     print(table(runs))
@@ -236,7 +261,8 @@ def main(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=3)
-    p.add_argument("--policies", default=DEMO_POLICIES)
+    p.add_argument("--policies", default=DEMO_POLICIES,
+                   help="comma-separated; 'smg' adds the SGLang model gateway (cache_aware) as a peer if installed")
     p.add_argument("--groups", type=int, default=24, help="shared-prefix groups (each its own system prompt)")
     p.add_argument("--per-group", type=int, default=6)
     p.add_argument("--rate", type=float, default=16.0, help="arrivals per second")
