@@ -58,35 +58,83 @@ def _sim(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _load_router_config(args: argparse.Namespace, extra: dict) -> object:
+    from router.config import load_config
+    from router.discovery import parse_worker_arg
+
+    overrides = {
+        "routing.policy": args.policy, "routing.block_size": args.block_size,
+        "routing.stale_after_s": args.stale_after, "routing.max_inflight_requests": args.max_inflight,
+        "workers_file": args.workers_file, "events_bind": args.events_bind, "tokenizer": args.tokenizer,
+        "tenant_header": args.tenant_header, **extra,
+    }
+    config = load_config(args.config, overrides)
+    if args.worker:
+        config.workers = [parse_worker_arg(w) for w in args.worker]
+    if not config.workers and not config.workers_file:
+        raise ValueError("no workers: give --worker URL (repeatable), --workers-file or a config file")
+    return config
+
+
+def _epp(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from router.frontends.epp import run_epp
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = _load_router_config(args, {"epp.port": args.port, "epp.health_port": args.health_port,
+                                            "epp.metrics_port": args.metrics_port})
+    except ValueError as e:
+        print(f"kvrouter epp: {e}", file=sys.stderr)
+        return 2
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run_epp(config))  # type: ignore[arg-type]
+    return 0
+
+
+def _envoy_config(args: argparse.Namespace) -> int:
+    from router.frontends.envoy_config import bootstrap_yaml
+
+    print(bootstrap_yaml(listen_port=args.listen_port, admin_port=args.admin_port, picker_port=args.picker_port,
+                         workers=args.endpoint, body_mode=args.body_mode, fail_open=args.fail_open), end="")
+    return 0
+
+
+def _routing_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file (docs/configuration.md)")
+    p.add_argument("--worker", action="append", metavar="URL[,events=E][,replay=R][,id=ID][,model=M]",
+                   help="a worker (repeatable); events/replay: its KV-event PUB and replay endpoints")
+    p.add_argument("--workers-file", help="YAML/JSON list of workers, watched: edits add/remove workers live")
+    p.add_argument("--events-bind", help="bind one SUB socket engines connect to (topic names the worker)")
+    p.add_argument("--policy", help="routing policy: precise (default), approx_prefix, least_loaded, "
+                   "round_robin, session_hash, random")
+    p.add_argument("--block-size", type=int, help="the engines' KV block size in tokens (default 16)")
+    p.add_argument("--stale-after", type=float, help="seconds without events while loaded before a worker "
+                   "loses prefix credit (default 10)")
+    p.add_argument("--max-inflight", type=int, help="per-worker in-flight requests before shedding (default 512)")
+    p.add_argument("--tokenizer", help="tokenizer.json or its directory (default: the bundled one)")
+    p.add_argument("--tenant-header", help="trusted header whose value becomes the request's cache_salt")
+    p.add_argument("--log-level", default="warning")
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from router.config import ConfigError, load_config
-    from router.discovery import DiscoveryError, parse_worker_arg
     from router.frontends.proxy import run_proxy
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        overrides = {
+        config = _load_router_config(args, {
             "listen.host": args.host, "listen.port": args.port, "admin.host": args.admin_host,
-            "admin.port": args.admin_port, "routing.policy": args.policy, "routing.block_size": args.block_size,
-            "routing.stale_after_s": args.stale_after, "routing.max_inflight_requests": args.max_inflight,
-            "workers_file": args.workers_file, "events_bind": args.events_bind, "tokenizer": args.tokenizer,
-            "tenant_header": args.tenant_header, "max_body_bytes": args.max_body_bytes,
-        }
-        config = load_config(args.config, overrides)
-        if args.worker:
-            config.workers = [parse_worker_arg(w) for w in args.worker]
-    except (ConfigError, DiscoveryError) as e:
+            "admin.port": args.admin_port, "max_body_bytes": args.max_body_bytes})
+    except ValueError as e:
         print(f"kvrouter serve: {e}", file=sys.stderr)
         return 2
-    if not config.workers and not config.workers_file:
-        print("kvrouter serve: no workers: give --worker URL (repeatable), --workers-file or a config file",
-              file=sys.stderr)
-        return 2
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run_proxy(config))
+        asyncio.run(run_proxy(config))  # type: ignore[arg-type]
     return 0
 
 
@@ -129,26 +177,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="OpenAI-compatible proxy that routes on KV-cache residency and load",
                         description="Every option overrides the same key of --config (YAML).")
-    sv.add_argument("--config", help="YAML config file (docs/configuration.md)")
-    sv.add_argument("--worker", action="append", metavar="URL[,events=E][,replay=R][,id=ID][,model=M]",
-                    help="a worker (repeatable); events/replay: its KV-event PUB and replay endpoints")
-    sv.add_argument("--workers-file", help="YAML/JSON list of workers, watched: edits add/remove workers live")
-    sv.add_argument("--events-bind", help="bind one SUB socket engines connect to (topic names the worker)")
+    _routing_options(sv)
     sv.add_argument("--host", help="proxy listen address (default 0.0.0.0)")
     sv.add_argument("--port", type=int, help="proxy port (default 8000)")
     sv.add_argument("--admin-host", help="admin/debug listen address (default 127.0.0.1)")
     sv.add_argument("--admin-port", type=int, help="admin/debug port (default 8001)")
-    sv.add_argument("--policy", help="routing policy: precise (default), approx_prefix, least_loaded, "
-                    "round_robin, session_hash, random")
-    sv.add_argument("--block-size", type=int, help="the engines' KV block size in tokens (default 16)")
-    sv.add_argument("--stale-after", type=float, help="seconds without events while loaded before a worker "
-                    "loses prefix credit (default 10)")
-    sv.add_argument("--max-inflight", type=int, help="per-worker in-flight requests before shedding (default 512)")
-    sv.add_argument("--tokenizer", help="tokenizer.json or its directory (default: the bundled one)")
-    sv.add_argument("--tenant-header", help="trusted header whose value becomes the request's cache_salt")
     sv.add_argument("--max-body-bytes", type=int, help="largest request body accepted (default 32 MiB)")
-    sv.add_argument("--log-level", default="warning")
     sv.set_defaults(handler=_serve)
+
+    ep = sub.add_parser("epp", help="Envoy ext_proc endpoint picker (Gateway API Inference Extension)",
+                        description="Every option overrides the same key of --config (YAML).")
+    _routing_options(ep)
+    ep.add_argument("--port", type=int, help="ext_proc gRPC port (default 9002)")
+    ep.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
+    ep.add_argument("--metrics-port", type=int, help="Prometheus metrics port (default 9090)")
+    ep.set_defaults(handler=_epp)
+
+    ec = sub.add_parser("envoy-config", help="print an Envoy bootstrap that uses kvrouter epp (docs/envoy.md)")
+    ec.add_argument("--listen-port", type=int, default=8080)
+    ec.add_argument("--admin-port", type=int, default=9901)
+    ec.add_argument("--picker-port", type=int, default=9002)
+    ec.add_argument("--endpoint", action="append", required=True, help="ip:port of a worker (repeatable)")
+    ec.add_argument("--body-mode", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"], default="FULL_DUPLEX_STREAMED")
+    ec.add_argument("--fail-open", action="store_true", help="failure_mode_allow: pass requests if the picker is down")
+    ec.set_defaults(handler=_envoy_config)
 
     sp = sub.add_parser("sim", help="trace-replay simulator: compare policies on engine models")
     from sim.cli import add_arguments as sim_arguments

@@ -38,9 +38,23 @@ class Admin:
 
 
 @dataclass
+class EppSettings:
+    """The endpoint picker's ports, by the Gateway API Inference Extension's conventions."""
+
+    host: str = "0.0.0.0"
+    port: int = 9002  # ext_proc gRPC
+    health_port: int = 9003  # gRPC health: liveness, readiness, the ext_proc service name
+    metrics_host: str = "0.0.0.0"  # Prometheus scrapes it from inside the cluster
+    metrics_port: int = 9090
+    fallbacks: int = 2  # endpoints after the pick in the envoy.lb list
+    grace_s: float = 10.0  # on shutdown, open streams get this long to finish
+
+
+@dataclass
 class RouterConfig:
     listen: Listen = field(default_factory=Listen)
     admin: Admin = field(default_factory=Admin)
+    epp: EppSettings = field(default_factory=EppSettings)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     workers: list[WorkerSpec] = field(default_factory=list)
     workers_file: str | None = None

@@ -1,0 +1,117 @@
+"""Envoy bootstrap for the endpoint picker: listener -> ext_proc (kvrouter epp) -> override-host upstream.
+
+Used by the tests and printed by ``kvrouter envoy-config``; docs/envoy.md walks through it. The upstream
+cluster lists the workers (STATIC here; EDS or an InferencePool in Kubernetes) with the ``override_host``
+load-balancing policy reading the picker's ``envoy.lb`` metadata, an ordered list: a retry on connect
+failure walks it (``previous_hosts`` keeps a dead host from being tried twice).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+
+def bootstrap(*, listen_port: int, admin_port: int, picker_port: int, workers: list[str],
+              body_mode: str = "FULL_DUPLEX_STREAMED", fail_open: bool = False, picker_host: str = "127.0.0.1",
+              buffer_limit_bytes: int = 8 * 1024 * 1024, retries: int = 2) -> dict[str, Any]:
+    """``workers``: "ip:port" of every endpoint the picker may choose (the InferencePool's members)."""
+    streamed = body_mode == "FULL_DUPLEX_STREAMED"
+    processing_mode: dict[str, Any] = {
+        "request_header_mode": "SEND", "response_header_mode": "SEND",
+        "request_body_mode": body_mode, "response_body_mode": body_mode if streamed else "NONE",
+    }
+    if streamed:  # Envoy refuses FULL_DUPLEX_STREAMED unless trailers are sent too
+        processing_mode |= {"request_trailer_mode": "SEND", "response_trailer_mode": "SEND"}
+    ext_proc = {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "kvrouter_epp"}, "timeout": "10s"},
+            "failure_mode_allow": fail_open,
+            "processing_mode": processing_mode,
+            "message_timeout": "5s",
+            "allow_mode_override": False,
+            "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
+            "response_attributes": ["upstream.address", "upstream.request_attempt_count"],
+        },
+    }
+    route = {
+        "match": {"prefix": "/"},
+        "route": {
+            "cluster": "inference_pool",
+            "timeout": "600s",
+            "retry_policy": {
+                "retry_on": "connect-failure,reset-before-request",
+                "num_retries": retries,
+                "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts",
+                                          "typed_config": {"@type": "type.googleapis.com/envoy.extensions."
+                                                           "retry.host.previous_hosts.v3.PreviousHostsPredicate"}}],
+                "host_selection_retry_max_attempts": 5,
+                "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
+            },
+        },
+        "per_request_buffer_limit_bytes": buffer_limit_bytes,  # large bodies can be buffered and retried
+    }
+    hcm = {
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
+                     "HttpConnectionManager",
+            "stat_prefix": "ingress",
+            "route_config": {"name": "local", "virtual_hosts": [{"name": "all", "domains": ["*"],
+                                                                  "routes": [route]}]},
+            "http_filters": [ext_proc, {"name": "envoy.filters.http.router", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+        },
+    }
+
+    def endpoints(addrs: list[str]) -> list[dict[str, Any]]:
+        out = []
+        for a in addrs:
+            host, port = a.rsplit(":", 1)
+            out.append({"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(port)}}}})
+        return out
+
+    pool = {
+        "name": "inference_pool",
+        "type": "STATIC",
+        "connect_timeout": "0.25s",
+        "per_connection_buffer_limit_bytes": buffer_limit_bytes,
+        "load_assignment": {"cluster_name": "inference_pool", "endpoints": [{"lb_endpoints": endpoints(workers)}]},
+        "load_balancing_policy": {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                "override_host_sources": [{"metadata": {"key": "envoy.lb",
+                                                        "path": [{"key": "x-gateway-destination-endpoint"}]}}],
+                "fallback_policy": {"policies": [{"typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies."
+                                              "round_robin.v3.RoundRobin"}}}]},
+            }}}]},
+    }
+    picker = {
+        "name": "kvrouter_epp",
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}}}},
+        "load_assignment": {"cluster_name": "kvrouter_epp", "endpoints": [{"lb_endpoints": endpoints(
+            [f"{picker_host}:{picker_port}"])}]},
+    }
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "static_resources": {
+            "listeners": [{"name": "inference", "per_connection_buffer_limit_bytes": buffer_limit_bytes,
+                           "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
+                           "filter_chains": [{"filters": [hcm]}]}],
+            "clusters": [pool, picker],
+        },
+    }
+
+
+def bootstrap_yaml(**kw: Any) -> str:
+    return yaml.safe_dump(bootstrap(**kw), sort_keys=False)

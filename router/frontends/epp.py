@@ -1,0 +1,362 @@
+"""``kvrouter epp``: an Envoy ext_proc endpoint picker speaking the Gateway API Inference Extension protocol.
+
+Per HTTP request Envoy opens one ``Process`` stream. Request phase: collect the body (FULL_DUPLEX_STREAMED:
+answer nothing until its end, then the headers response, then the body re-sent in chunks; BUFFERED: the
+headers answered at once, the whole body in one message), parse and tokenize it as the proxy does, decide
+with the routing core, and answer with the ``x-gateway-destination-endpoint`` header (always overwriting a
+client's) and the ``envoy.lb`` dynamic metadata holding the primary and fallbacks. Response phase: the
+served endpoint (``upstream.address``), the first byte, the usage and the end keep the in-flight accounting
+right. No eligible endpoint is an ImmediateResponse 503 with the reason; saturation a 429 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from router.config import RouterConfig
+from router.frontends.fleet import Fleet
+from router.frontends.metrics import RouterMetrics
+from router.frontends.openai import BadRequest, parse_body
+from router.frontends.proxy import cached_tokens_from
+from router.scheduling import Decision, RouteRequest, RoutingCore
+from router.tokenizer import PromptTokenizer
+
+log = logging.getLogger("kvrouter.epp")
+
+DEST_HEADER = "x-gateway-destination-endpoint"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+LB_NAMESPACE = "envoy.lb"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+MAX_CHUNK = 62_000  # as the reference picker: under Envoy's default 64 KiB gRPC frame for body chunks
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+FULL_DUPLEX = 4  # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass
+class _Stream:
+    """One HTTP request's state across its ext_proc stream."""
+
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytearray = field(default_factory=bytearray)
+    full_duplex: bool = True
+    subset: frozenset[str] | None = None
+    rreq: RouteRequest | None = None
+    decision: Decision | None = None
+    worker: str | None = None
+    started: float = 0.0
+    first_byte: bool = False
+    streamed: bool = False
+    tail: bytes = b""
+
+
+def _header_mutation(address: str) -> pb.HeaderMutation:
+    return pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=DEST_HEADER, raw_value=address.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)])
+
+
+def _lb_metadata(addresses: list[str]) -> struct_pb2.Struct:
+    md = struct_pb2.Struct()
+    md.get_or_create_struct(LB_NAMESPACE)[DEST_HEADER] = ",".join(addresses)
+    return md
+
+
+def _immediate(status: int, message: str, retry_after: int | None = None) -> pb.ProcessingResponse:
+    headers = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type",
+                                                                      raw_value=b"application/json"))]
+    if retry_after is not None:
+        headers.append(base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(
+            key="retry-after", raw_value=str(retry_after).encode())))
+    body = json.dumps({"object": "error", "message": message, "code": status}).encode()
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status), headers=pb.HeaderMutation(set_headers=headers),
+        body=body, details=message[:200]))
+
+
+def _headers_of(msg: pb.HttpHeaders) -> dict[str, str]:
+    out = {}
+    for h in msg.headers.headers:
+        out[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+    return out
+
+
+class EndpointPicker(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, core: RoutingCore, fleet: Fleet, tokenizer_for: Callable[[str | None], PromptTokenizer],
+                 block_size: int, metrics: RouterMetrics, tenant_header: str | None = None,
+                 fallbacks: int = 2) -> None:
+        self.core = core
+        self.fleet = fleet
+        self.tokenizer_for = tokenizer_for
+        self.block_size = block_size
+        self.metrics = metrics
+        self.tenant_header = tenant_header.lower() if tenant_header else None
+        self.fallbacks = fallbacks
+        self.open_streams = 0
+
+    def _address_to_worker(self, address: str) -> str | None:
+        for wid, ep in self.core.endpoints.items():
+            if ep.address == address:
+                return wid
+        return None
+
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
+        st = _Stream(started=time.monotonic())
+        self.open_streams += 1
+        try:
+            async for req in request_iterator:
+                kind = req.WhichOneof("request")
+                if req.HasField("protocol_config"):
+                    st.full_duplex = req.protocol_config.request_body_mode == FULL_DUPLEX
+                if kind == "request_headers":
+                    st.headers = _headers_of(req.request_headers)
+                    st.subset = self._subset(req)
+                    if req.request_headers.end_of_stream:  # no body (GET /v1/models): any ready endpoint
+                        yield self._route_bodyless(st)
+                    elif not st.full_duplex:
+                        yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+                elif kind == "request_body":
+                    st.body += req.request_body.body
+                    if req.request_body.end_of_stream:
+                        for out in self._route(st):
+                            yield out
+                elif kind == "request_trailers":
+                    yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+                elif kind == "response_headers":
+                    self._served(st, req)
+                    if req.response_headers.end_of_stream:
+                        self._finish(st)
+                    yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+                elif kind == "response_body":
+                    chunk = req.response_body.body
+                    if not st.first_byte and chunk:
+                        st.first_byte = True
+                        if st.rreq is not None and st.streamed:
+                            self.core.first_token(st.rreq.request_id, time.monotonic())
+                            self.metrics.ttft.observe(time.monotonic() - st.started)
+                    st.tail = (st.tail + chunk)[-8192:] if st.streamed else st.tail + chunk
+                    if req.response_body.end_of_stream:
+                        self._finish(st)
+                    yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+                        body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                            body=chunk, end_of_stream=req.response_body.end_of_stream)))))
+                elif kind == "response_trailers":
+                    self._finish(st)
+                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+        finally:
+            self.open_streams -= 1
+            if st.rreq is not None and st.rreq.request_id in self.core.load.inflight:
+                self.core.completed(st.rreq.request_id, time.monotonic())  # client or Envoy went away
+
+    # ---- request phase ---------------------------------------------------------------------------
+    def _subset(self, req: pb.ProcessingRequest) -> frozenset[str] | None:
+        fm = req.metadata_context.filter_metadata
+        if SUBSET_NAMESPACE not in fm:
+            return None
+        value = fm[SUBSET_NAMESPACE].fields.get(SUBSET_KEY)
+        if value is None:
+            return None
+        if value.HasField("list_value"):
+            return frozenset(v.string_value for v in value.list_value.values)
+        return frozenset(x.strip() for x in value.string_value.split(",") if x.strip())
+
+    def _route_bodyless(self, st: _Stream) -> pb.ProcessingResponse:
+        rreq = RouteRequest(uuid.uuid4().hex, [], 0, self.block_size, 1, subset=st.subset)
+        decision = self.core.decide(rreq, time.monotonic())
+        if decision.outcome != "routed":
+            return self._refusal(decision)
+        addrs = self._addresses(decision)
+        return pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(response=pb.CommonResponse(
+                header_mutation=_header_mutation(addrs[0]), clear_route_cache=True)),
+            dynamic_metadata=_lb_metadata(addrs))
+
+    def _route(self, st: _Stream) -> list[pb.ProcessingResponse]:
+        path = st.headers.get(":path", "").split("?")[0]
+        body = bytes(st.body)
+        if not path.endswith(GENERATE_PATHS):
+            rreq = RouteRequest(uuid.uuid4().hex, [], 0, self.block_size, 1, subset=st.subset)
+        else:
+            tenant = st.headers.get(self.tenant_header) if self.tenant_header else None
+            try:
+                parsed = parse_body(body, path, self.tokenizer_for, forced_salt=tenant)
+            except BadRequest as e:
+                self.metrics.requests.labels(str(e.status)).inc()
+                return [_immediate(e.status, str(e))]
+            if tenant is not None:
+                body = json.dumps(parsed.body).encode()
+            rreq = parsed.route_request(st.headers.get("x-request-id") or uuid.uuid4().hex, self.block_size,
+                                        session=st.headers.get("x-session-id"), subset=st.subset)
+            st.streamed = parsed.stream
+        decision = self.core.decide(rreq, time.monotonic())
+        credited = any(c.prefix_credit for c in decision.candidates if not c.filtered)
+        self.metrics.decisions.labels(decision.policy, decision.outcome, str(credited).lower()).inc()
+        if decision.outcome != "routed":
+            return [self._refusal(decision)]
+        addrs = self._addresses(decision)
+        st.rreq, st.decision, st.worker = rreq, decision, decision.ranked[0]
+        self.core.dispatched(rreq, st.worker, decision, time.monotonic())
+        common = pb.CommonResponse(header_mutation=_header_mutation(addrs[0]), clear_route_cache=True)
+        md = _lb_metadata(addrs)
+        if not st.full_duplex:  # BUFFERED: headers already answered; mutate them with the body response
+            if body != bytes(st.body):
+                common.body_mutation.body = body
+            return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)]
+        out = [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=md)]
+        chunks = [body[i : i + MAX_CHUNK] for i in range(0, len(body), MAX_CHUNK)] or [b""]
+        for i, chunk in enumerate(chunks):
+            out.append(pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+                body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                    body=chunk, end_of_stream=i == len(chunks) - 1))))))
+        return out
+
+    def _addresses(self, decision: Decision) -> list[str]:
+        ids = decision.ranked[: 1 + self.fallbacks]
+        return [self.core.endpoints[w].address for w in ids]
+
+    def _refusal(self, decision: Decision) -> pb.ProcessingResponse:
+        if decision.outcome == "shed":
+            self.metrics.requests.labels("429").inc()
+            return _immediate(429, decision.reason, retry_after=max(1, round(decision.retry_after_s)))
+        self.metrics.requests.labels("503").inc()
+        return _immediate(503, decision.reason)
+
+    # ---- response phase --------------------------------------------------------------------------
+    def _served(self, st: _Stream, req: pb.ProcessingRequest) -> None:
+        """Which endpoint served (it differs from the pick when Envoy fell back): fix the accounting."""
+        attrs = req.attributes.get("envoy.filters.http.ext_proc")
+        served = None
+        if attrs is not None and "upstream.address" in attrs.fields:
+            served = attrs.fields["upstream.address"].string_value
+        if served is None:
+            md = req.metadata_context.filter_metadata.get(LB_NAMESPACE)
+            if md is not None and SERVED_KEY in md.fields:
+                served = md.fields[SERVED_KEY].string_value
+        if not served or st.rreq is None or st.decision is None:
+            return
+        wid = self._address_to_worker(served)
+        if wid is not None and wid != st.worker:
+            log.info("request %s served by %s, not the pick %s", st.rreq.request_id, wid, st.worker)
+            self.fleet.mark_failure(st.worker or "")
+            self.core.dispatched(st.rreq, wid, st.decision, time.monotonic())
+            st.worker = wid
+
+    def _finish(self, st: _Stream) -> None:
+        if st.rreq is None or st.rreq.request_id not in self.core.load.inflight:
+            return
+        now = time.monotonic()
+        if not st.streamed:
+            self.core.first_token(st.rreq.request_id, now, learn=False)
+        self.core.completed(st.rreq.request_id, now)
+        reported = cached_tokens_from(st.tail, st.streamed)
+        if reported is not None:
+            self.metrics.hit_reported.inc(reported)
+        self.metrics.prompt_tokens.inc(st.rreq.prompt_tokens)
+        self.metrics.requests.labels("200").inc()
+
+
+def health_servicer(fleet: Fleet) -> health.HealthServicer:
+    servicer = health.HealthServicer(experimental_non_blocking=True)
+    servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+    servicer.set("readiness", health_pb2.HealthCheckResponse.NOT_SERVING)
+    servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return servicer
+
+
+def update_readiness(servicer: health.HealthServicer, core: RoutingCore, clock) -> bool:  # type: ignore[no-untyped-def]
+    """Ready when some endpoint is healthy and every endpoint's index is synced and its metrics fresh."""
+    now = clock()
+    eps = list(core.endpoints.values())
+    ready = bool(eps) and any(ep.healthy for ep in eps) and all(
+        core.index_state(ep.worker_id, now) in ("synced", "no-events") and core.fresh_metrics(ep.worker_id)
+        is not None for ep in eps if ep.healthy)
+    status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+    servicer.set("readiness", status)
+    servicer.set(SERVICE_NAME, status)
+    servicer.set("", status)
+    return ready
+
+
+async def run_epp(config: RouterConfig, started: asyncio.Event | None = None) -> None:
+    """``kvrouter epp``: the picker, gRPC health, Prometheus metrics on their own port, admin on localhost."""
+    from aiohttp import web
+    from prometheus_client import generate_latest
+
+    from router.tokenizer import load_tokenizer
+
+    core = RoutingCore(config.routing)
+    fleet = Fleet(core, probe_interval_s=config.probe_interval_s, events_bind=config.events_bind,
+                  workers_file=config.workers_file)
+    for spec in config.workers:
+        fleet.add(spec)
+    await fleet.start()
+    metrics = RouterMetrics(fleet)
+
+    def tokenizer_for(model: str | None) -> PromptTokenizer:
+        return load_tokenizer(config.tokenizers.get(model or "", config.tokenizer))
+
+    picker = EndpointPicker(core, fleet, tokenizer_for, config.routing.block_size, metrics, config.tenant_header,
+                            config.epp.fallbacks)
+
+    async def prometheus(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(metrics.registry), content_type="text/plain", charset="utf-8")
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", prometheus)])
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.epp.metrics_host, config.epp.metrics_port).start()
+    try:
+        await serve_epp(core, fleet, picker, config.epp.port, config.epp.health_port, config.epp.host,
+                        started=started, grace_s=config.epp.grace_s)
+    finally:
+        await runner.cleanup()
+        await fleet.stop()
+
+
+async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, port: int, health_port: int | None,
+                    host: str = "0.0.0.0", max_message_bytes: int = 64 * 1024 * 1024,
+                    started: asyncio.Event | None = None, grace_s: float = 10.0) -> None:
+    """Serve ext_proc (and gRPC health, on ``health_port`` or the same port) until cancelled, then drain."""
+    options = [("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.max_send_message_length", max_message_bytes)]
+    server = grpc.aio.server(options=options)
+    pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
+    hs = health_servicer(fleet)
+    server.add_insecure_port(f"{host}:{port}")
+    health_server = None
+    if health_port is None or health_port == port:
+        health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    else:
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(hs, health_server)
+        health_server.add_insecure_port(f"{host}:{health_port}")
+        await health_server.start()
+    await server.start()
+    if started is not None:
+        started.set()
+    try:
+        while True:
+            update_readiness(hs, core, fleet.clock)
+            await asyncio.sleep(0.2)
+    finally:
+        hs.enter_graceful_shutdown()
+        await server.stop(grace_s)  # finishes open streams, refuses new ones
+        if health_server is not None:
+            await health_server.stop(0)
