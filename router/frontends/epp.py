@@ -338,6 +338,10 @@ async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, por
                ("grpc.max_send_message_length", max_message_bytes)]
     server = grpc.aio.server(options=options)
     pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
+    from router.frontends.rank import RankService
+    from router.gen import picker_pb2_grpc
+
+    picker_pb2_grpc.add_PickerServicer_to_server(RankService(core, picker.tokenizer_for, picker.block_size), server)
     hs = health_servicer(fleet)
     server.add_insecure_port(f"{host}:{port}")
     health_server = None

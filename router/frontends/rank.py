@@ -1,0 +1,64 @@
+"""kvrouter.v1.Picker/Rank: the routing core's ranking for callers that are not Envoy (proto/kvrouter/v1)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+import grpc
+
+from router.frontends.openai import BadRequest
+from router.gen import picker_pb2 as pb
+from router.gen import picker_pb2_grpc as pb_grpc
+from router.keys import request_keys
+from router.scheduling import RouteRequest, RoutingCore
+from router.tokenizer import PromptError, PromptTokenizer
+
+OUTCOMES = {"routed": pb.RankResponse.ROUTED, "shed": pb.RankResponse.SHED,
+            "no_endpoint": pb.RankResponse.NO_ENDPOINT}
+
+
+class RankService(pb_grpc.PickerServicer):
+    def __init__(self, core: RoutingCore, tokenizer_for: Callable[[str | None], PromptTokenizer],
+                 block_size: int) -> None:
+        self.core = core
+        self.tokenizer_for = tokenizer_for
+        self.block_size = block_size
+
+    def tokens(self, req: pb.RankRequest) -> list[int]:
+        kind = req.WhichOneof("prompt")
+        tok = self.tokenizer_for(req.model or None)
+        try:
+            if kind == "text":
+                return tok.encode(req.text)
+            if kind == "token_ids":
+                return list(req.token_ids.ids)
+            if kind == "chat":
+                return tok.encode_chat([{"role": m.role, "content": m.content} for m in req.chat.messages])
+        except PromptError as e:
+            raise BadRequest(str(e)) from None
+        raise BadRequest("one of text, token_ids or chat is required")
+
+    async def Rank(self, request: pb.RankRequest, context: grpc.aio.ServicerContext) -> pb.RankResponse:
+        try:
+            ids = self.tokens(request)
+        except BadRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        keys = request_keys(ids, self.block_size, lora_name=request.lora or None,
+                            cache_salt=request.cache_salt or None)
+        rreq = RouteRequest(uuid.uuid4().hex, keys, len(ids), self.block_size, request.max_tokens or 16,
+                            request.model or None, request.lora or None, request.session or None,
+                            frozenset(request.subset) or None)
+        d = self.core.decide(rreq, time.monotonic())
+        order = {w: i for i, w in enumerate(d.ranked)}
+        reports = sorted(d.candidates, key=lambda c: order.get(c.worker_id, len(order)))
+        out = pb.RankResponse(outcome=OUTCOMES[d.outcome], reason=d.reason, policy=d.policy, prompt_tokens=len(ids))
+        for c in reports:
+            ep = self.core.endpoints.get(c.worker_id)
+            out.endpoints.append(pb.RankedEndpoint(
+                worker_id=c.worker_id, address=ep.address if ep else "", filtered=c.filtered or "",
+                index_state=c.state, prefix_credit=c.prefix_credit, matched_gpu_blocks=c.matched_gpu,
+                matched_cpu_blocks=c.matched_cpu, matched_storage_blocks=c.matched_storage, queue_s=c.queue_s,
+                prefill_s=c.prefill_s, estimated_ttft_s=c.ttft_s, score=c.score))
+        return out
