@@ -150,6 +150,12 @@ def _bench_proxy(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _bench_epp(args: argparse.Namespace) -> int:
+    from router.bench.epp_bench import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description="Cache-aware request router for LLM fleets.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -226,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--json", action="store_true")
     bp.add_argument("--quick", action="store_true")
     bp.set_defaults(handler=_bench_proxy)
+    be = bsub.add_parser("epp", help="Envoy vs Envoy + kvrouter epp: added latency, req/s, CPU per pick")
+    be.add_argument("--json", action="store_true")
+    be.add_argument("--quick", action="store_true")
+    be.set_defaults(handler=_bench_epp)
     return parser
 
 

@@ -15,8 +15,11 @@ import yaml
 
 def bootstrap(*, listen_port: int, admin_port: int, picker_port: int, workers: list[str],
               body_mode: str = "FULL_DUPLEX_STREAMED", fail_open: bool = False, picker_host: str = "127.0.0.1",
-              buffer_limit_bytes: int = 8 * 1024 * 1024, retries: int = 2) -> dict[str, Any]:
-    """``workers``: "ip:port" of every endpoint the picker may choose (the InferencePool's members)."""
+              buffer_limit_bytes: int = 8 * 1024 * 1024, retries: int = 2, with_picker: bool = True) -> dict[str, Any]:
+    """``workers``: "ip:port" of every endpoint the picker may choose (the InferencePool's members).
+
+    ``with_picker=False``: the same Envoy without ext_proc (round robin), the baseline of ``bench epp``.
+    """
     streamed = body_mode == "FULL_DUPLEX_STREAMED"
     processing_mode: dict[str, Any] = {
         "request_header_mode": "SEND", "response_header_mode": "SEND",
@@ -62,7 +65,7 @@ def bootstrap(*, listen_port: int, admin_port: int, picker_port: int, workers: l
             "stat_prefix": "ingress",
             "route_config": {"name": "local", "virtual_hosts": [{"name": "all", "domains": ["*"],
                                                                   "routes": [route]}]},
-            "http_filters": [ext_proc, {"name": "envoy.filters.http.router", "typed_config": {
+            "http_filters": [ext_proc] * with_picker + [{"name": "envoy.filters.http.router", "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
         },
     }

