@@ -66,13 +66,15 @@ def _load_router_config(args: argparse.Namespace, extra: dict) -> object:
         "routing.policy": args.policy, "routing.block_size": args.block_size,
         "routing.stale_after_s": args.stale_after, "routing.max_inflight_requests": args.max_inflight,
         "workers_file": args.workers_file, "events_bind": args.events_bind, "tokenizer": args.tokenizer,
-        "tenant_header": args.tenant_header, **extra,
+        "tenant_header": args.tenant_header, "kubernetes.pool": args.inference_pool,
+        "kubernetes.namespace": args.namespace, **extra,
     }
     config = load_config(args.config, overrides)
     if args.worker:
         config.workers = [parse_worker_arg(w) for w in args.worker]
-    if not config.workers and not config.workers_file:
-        raise ValueError("no workers: give --worker URL (repeatable), --workers-file or a config file")
+    if not config.workers and not config.workers_file and not config.kubernetes.pool:
+        raise ValueError("no workers: give --worker URL (repeatable), --workers-file, --inference-pool "
+                         "or a config file")
     return config
 
 
@@ -108,6 +110,8 @@ def _routing_options(p: argparse.ArgumentParser) -> None:
                    help="a worker (repeatable); events/replay: its KV-event PUB and replay endpoints")
     p.add_argument("--workers-file", help="YAML/JSON list of workers, watched: edits add/remove workers live")
     p.add_argument("--events-bind", help="bind one SUB socket engines connect to (topic names the worker)")
+    p.add_argument("--inference-pool", help="discover workers as this InferencePool's pods (Kubernetes API)")
+    p.add_argument("--namespace", help="namespace of the InferencePool (default: default)")
     p.add_argument("--policy", help="routing policy: precise (default), approx_prefix, least_loaded, "
                    "round_robin, session_hash, random")
     p.add_argument("--block-size", type=int, help="the engines' KV block size in tokens (default 16)")

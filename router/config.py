@@ -51,10 +51,20 @@ class EppSettings:
 
 
 @dataclass
+class KubernetesSettings:
+    """Discover workers as the pods of an InferencePool (router/discovery/kubernetes.py)."""
+
+    namespace: str = "default"
+    pool: str | None = None  # InferencePool name; unset: no Kubernetes discovery
+    events_by_default: bool = True  # pods without the kv-events annotation publish on :5557
+
+
+@dataclass
 class RouterConfig:
     listen: Listen = field(default_factory=Listen)
     admin: Admin = field(default_factory=Admin)
     epp: EppSettings = field(default_factory=EppSettings)
+    kubernetes: KubernetesSettings = field(default_factory=KubernetesSettings)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     workers: list[WorkerSpec] = field(default_factory=list)
     workers_file: str | None = None

@@ -10,7 +10,7 @@ import time
 from router.scheduling import POLICIES
 from sim.report import Progress, plots, stable_json, table
 from sim.runner import SimConfig, Simulation, summarise
-from sim.workload import WORKLOADS, infinite_cache_bound, mooncake
+from sim.workload import WORKLOADS, infinite_cache_bound, mooncake, repeat_trace
 from workers.engine import EngineConfig, TimingModel
 
 DEFAULT_POLICIES = "random,round_robin,least_loaded,session_hash,approx_prefix,precise"
@@ -26,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=None, help="synthetic workloads: arrivals per second")
     p.add_argument("--jitter", type=float, default=3.0, help="spread the trace's ~3 s quantised timestamps (s)")
     p.add_argument("--limit", type=int, default=None, help="only the first N trace rows")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="overlay N copies of the trace with distinct users (N x requests and rate), for scale runs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=128,
                    help="engine KV block size in tokens (trace blocks are 512: 128 keeps hits exact, runs fast)")
@@ -43,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvrouter sim: unknown policies {unknown}; choose from {sorted(POLICIES)}", file=sys.stderr)
         return 2
     if args.trace:
-        requests = mooncake(args.trace, limit=args.limit, speedup=args.speedup, jitter_s=args.jitter, seed=args.seed)
+        requests = repeat_trace(mooncake(args.trace, limit=args.limit, speedup=args.speedup, jitter_s=args.jitter,
+                                         seed=args.seed), args.repeat)
         source = args.trace
     else:
         kw = {"seed": args.seed} | ({"rate": args.rate} if args.rate else {})

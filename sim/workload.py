@@ -92,6 +92,21 @@ def mooncake(path: str | Path, limit: int | None = None, speedup: float = 1.0, j
     return out
 
 
+def repeat_trace(requests: list[SimRequest], times: int) -> list[SimRequest]:
+    """``times`` copies of a trace over the same time window, each with its own hash ids except the shared
+    system prompt (id 0): as many more users, the same conversations' shape, ``times`` the arrival rate."""
+    if times <= 1:
+        return requests
+    out = list(requests)
+    for k in range(1, times):
+        off = k * 100_000_000
+        for r in requests:
+            ids = tuple(h if h == 0 else h + off for h in r.hash_ids)
+            out.append(SimRequest(f"{r.request_id}x{k}", r.arrival, r.prompt, r.output_len, r.session, ids))
+    out.sort(key=lambda r: r.arrival)
+    return out
+
+
 def shared_prefix(groups: int = 64, per_group: int = 16, system_tokens: int = 2048, question_tokens: int = 128,
                   output_tokens: int = 256, rate: float = 8.0, seed: int = 0) -> list[SimRequest]:
     """SGLang's generated-shared-prefix shape (64 x 16, 2048 system, 128 question, 256 output), Poisson arrivals,

@@ -28,7 +28,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.config import RouterConfig
-from router.frontends.fleet import Fleet
+from router.frontends.fleet import Fleet, fleet_from_config
 from router.frontends.metrics import RouterMetrics
 from router.frontends.openai import BadRequest, parse_body
 from router.frontends.proxy import cached_tokens_from
@@ -301,10 +301,7 @@ async def run_epp(config: RouterConfig, started: asyncio.Event | None = None) ->
     from router.tokenizer import load_tokenizer
 
     core = RoutingCore(config.routing)
-    fleet = Fleet(core, probe_interval_s=config.probe_interval_s, events_bind=config.events_bind,
-                  workers_file=config.workers_file)
-    for spec in config.workers:
-        fleet.add(spec)
+    fleet = fleet_from_config(core, config)
     await fleet.start()
     metrics = RouterMetrics(fleet)
 

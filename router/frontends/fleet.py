@@ -15,12 +15,23 @@ from pathlib import Path
 
 import aiohttp
 
+from router.config import RouterConfig
 from router.discovery import DiscoveryError, WorkerSpec, load_workers_file
 from router.events.subscriber import EventSource, KvEventSubscriber
 from router.load import parse_engine_metrics
 from router.scheduling import Endpoint, RoutingCore
 
 log = logging.getLogger(__name__)
+
+
+def fleet_from_config(core: RoutingCore, config: RouterConfig) -> Fleet:
+    k8s = config.kubernetes
+    fleet = Fleet(core, probe_interval_s=config.probe_interval_s, events_bind=config.events_bind,
+                  workers_file=config.workers_file,
+                  kubernetes=(k8s.namespace, k8s.pool, k8s.events_by_default) if k8s.pool else None)
+    for spec in config.workers:
+        fleet.add(spec)
+    return fleet
 
 
 class Fleet:
@@ -34,7 +45,9 @@ class Fleet:
         events_bind: str | None = None,
         workers_file: str | None = None,
         file_poll_s: float = 1.0,
+        kubernetes: tuple[str, str, bool] | None = None,
     ) -> None:
+        """``kubernetes``: (namespace, InferencePool name, events on :5557 by default) to watch."""
         self.core = core
         self.clock = time.monotonic
         self.probe_interval_s = probe_interval_s
@@ -48,6 +61,12 @@ class Fleet:
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._file_mtime: float | None = None
+        self._kubernetes = None
+        if kubernetes is not None:
+            from router.discovery.kubernetes import KubernetesDiscovery
+
+            ns, pool, events_default = kubernetes
+            self._kubernetes = KubernetesDiscovery(ns, pool, self.set_workers, events_default)
 
     # ---- membership --------------------------------------------------------------------------
     def set_workers(self, specs: Sequence[WorkerSpec]) -> None:
@@ -93,6 +112,8 @@ class Fleet:
         if self.workers_file:
             self._reload_file(initial=True)
             self._tasks.append(asyncio.create_task(self._watch_file()))
+        if self._kubernetes is not None:
+            await self._kubernetes.start()
         self._tasks.append(asyncio.create_task(self._probe_loop()))
 
     async def stop(self) -> None:
@@ -102,6 +123,8 @@ class Fleet:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks.clear()
+        if self._kubernetes is not None:
+            await self._kubernetes.stop()
         await self.subscriber.stop()
         if self._session is not None:
             await self._session.close()

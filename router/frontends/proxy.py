@@ -22,7 +22,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from router.config import RouterConfig
-from router.frontends.fleet import Fleet
+from router.frontends.fleet import fleet_from_config
 from router.frontends.metrics import RouterMetrics
 from router.frontends.openai import BadRequest, ParsedRequest, parse_body
 from router.scheduling import Decision, RoutingCore
@@ -61,8 +61,7 @@ class ProxyServer:
     def __init__(self, config: RouterConfig, core: RoutingCore | None = None) -> None:
         self.config = config
         self.core = core or RoutingCore(config.routing)
-        self.fleet = Fleet(self.core, probe_interval_s=config.probe_interval_s, events_bind=config.events_bind,
-                           workers_file=config.workers_file)
+        self.fleet = fleet_from_config(self.core, config)
         self.metrics = RouterMetrics(self.fleet)
         self.decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=config.decision_log_size)
         self._session: aiohttp.ClientSession | None = None
@@ -73,8 +72,6 @@ class ProxyServer:
         timeout = aiohttp.ClientTimeout(total=self.config.upstream_timeout_s, sock_connect=2.0)
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
                                               connector=aiohttp.TCPConnector(limit=0))
-        for spec in self.config.workers:
-            self.fleet.add(spec)
         await self.fleet.start()
 
     async def stop(self) -> None:
