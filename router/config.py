@@ -57,6 +57,7 @@ class KubernetesSettings:
     namespace: str = "default"
     pool: str | None = None  # InferencePool name; unset: no Kubernetes discovery
     events_by_default: bool = True  # pods without the kv-events annotation publish on :5557
+    kubeconfig: str | None = None  # outside the cluster; in it, the pod's service account is used
 
 
 @dataclass
@@ -93,6 +94,10 @@ def _check(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping")
         return _build(tp, value, where)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}: expected a number, got {value!r}")

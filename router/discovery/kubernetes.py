@@ -38,12 +38,16 @@ def _get(obj: Any, *path: str) -> Any:
     for key in path:
         if obj is None:
             return None
-        obj = obj.get(key) if isinstance(obj, dict) else getattr(obj, _snake(key), None)
+        obj = obj.get(key) if isinstance(obj, dict) else getattr(obj, _attr(type(obj), key), None)
     return obj
 
 
-def _snake(name: str) -> str:
-    return "".join("_" + c.lower() if c.isupper() else c for c in name)
+def _attr(model: type, json_name: str) -> str:
+    """The client model's Python attribute for a JSON field (``podIP`` -> ``pod_ip``)."""
+    for attr, name in getattr(model, "attribute_map", {}).items():
+        if name == json_name:
+            return attr
+    return json_name
 
 
 def _endpoint(value: str | None, ip: str, default_port: int | None) -> str | None:
@@ -135,7 +139,9 @@ class KubernetesDiscovery:
     """Watch one InferencePool's pods and keep ``on_change(workers)`` informed (call from the event loop)."""
 
     def __init__(self, namespace: str, pool: str, on_change: Callable[[list[WorkerSpec]], None],
-                 events_by_default: bool = True) -> None:
+                 events_by_default: bool = True, kubeconfig: str | None = None) -> None:
+        """``kubeconfig``: a file to use instead of the in-cluster service account."""
+        self.kubeconfig = kubeconfig
         self.namespace = namespace
         self.pool = pool
         self.on_change = on_change
@@ -146,10 +152,13 @@ class KubernetesDiscovery:
     async def start(self) -> None:
         from kubernetes import client, config  # the official client, imported only when used
 
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
+        if self.kubeconfig:
+            config.load_kube_config(config_file=self.kubeconfig)
+        else:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
         custom = client.CustomObjectsApi()
         pool = await asyncio.to_thread(custom.get_namespaced_custom_object, "inference.networking.k8s.io", "v1",
                                        self.namespace, "inferencepools", self.pool)

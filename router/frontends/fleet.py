@@ -28,7 +28,7 @@ def fleet_from_config(core: RoutingCore, config: RouterConfig) -> Fleet:
     k8s = config.kubernetes
     fleet = Fleet(core, probe_interval_s=config.probe_interval_s, events_bind=config.events_bind,
                   workers_file=config.workers_file,
-                  kubernetes=(k8s.namespace, k8s.pool, k8s.events_by_default) if k8s.pool else None)
+                  kubernetes=(k8s.namespace, k8s.pool, k8s.events_by_default, k8s.kubeconfig) if k8s.pool else None)
     for spec in config.workers:
         fleet.add(spec)
     return fleet
@@ -45,9 +45,9 @@ class Fleet:
         events_bind: str | None = None,
         workers_file: str | None = None,
         file_poll_s: float = 1.0,
-        kubernetes: tuple[str, str, bool] | None = None,
+        kubernetes: tuple[str, str, bool, str | None] | None = None,
     ) -> None:
-        """``kubernetes``: (namespace, InferencePool name, events on :5557 by default) to watch."""
+        """``kubernetes``: (namespace, InferencePool, events on :5557 by default, kubeconfig or None) to watch."""
         self.core = core
         self.clock = time.monotonic
         self.probe_interval_s = probe_interval_s
@@ -65,8 +65,8 @@ class Fleet:
         if kubernetes is not None:
             from router.discovery.kubernetes import KubernetesDiscovery
 
-            ns, pool, events_default = kubernetes
-            self._kubernetes = KubernetesDiscovery(ns, pool, self.set_workers, events_default)
+            ns, pool, events_default, kubeconfig = kubernetes
+            self._kubernetes = KubernetesDiscovery(ns, pool, self.set_workers, events_default, kubeconfig)
 
     # ---- membership --------------------------------------------------------------------------
     def set_workers(self, specs: Sequence[WorkerSpec]) -> None:
