@@ -11,7 +11,7 @@ import yaml
 from aiohttp import web
 from kubernetes import watch
 
-from router.discovery.kubernetes import KubernetesDiscovery, PodSet, pool_selector
+from router.discovery.kubernetes import PodSet, pool_selector
 from router.frontends.fleet import Fleet
 from router.scheduling import RoutingCore
 from tests.zmq_helpers import wait_until
