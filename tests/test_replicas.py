@@ -22,8 +22,9 @@ async def test_two_picker_processes_agree_on_prefix_decisions():
         specs = [f"{w.url},id=w{i},events={w.publisher.endpoint},replay={w.publisher.replay_endpoint}"
                  for i, w in enumerate(ws)]
         ports = [free_port(), free_port()]
+        workers = [arg for s in specs for arg in ("--worker", s)]
         args = [["-m", "router.cli", "epp", "--port", str(p), "--health-port", str(free_port()),
-                 "--metrics-port", str(free_port()), *sum((["--worker", s] for s in specs), [])] for p in ports]
+                 "--metrics-port", str(free_port()), *workers] for p in ports]
         with server_process(args[0], ports[0]), server_process(args[1], ports[1]):
             await asyncio.sleep(1.0)  # both subscribed
             prompts = [(d + " ") * 60 for d in DOCS]
