@@ -50,7 +50,7 @@ def tokens_for_block(block_id: int, n: int = TRACE_BLOCK, salt: int = 0) -> np.n
     return (x % np.uint64(VOCAB)).astype(np.uint32)
 
 
-@lru_cache(maxsize=16384)
+@lru_cache(maxsize=65536)  # 128 MiB at most; the trace reuses ids heavily
 def _trace_block(block_id: int) -> np.ndarray:
     toks = tokens_for_block(block_id)
     toks.flags.writeable = False  # shared between requests through the cache

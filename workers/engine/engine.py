@@ -281,7 +281,7 @@ class EngineModel:
                 break
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.prompt_len + len(req.output) - req.num_computed, budget)  # num_tokens, inlined: hot
             if n <= 0:
                 continue
             if req.num_computed + n > len(req.block_ids) * c.block_size and not self._grow(req, n):
@@ -355,7 +355,9 @@ class EngineModel:
 
     def _apply(self, scheduled: list[tuple[EngineRequest, int]], end: float) -> list[TokenOutput]:
         bs = self.config.block_size
+        vocab = self.config.vocab_size
         outputs: list[TokenOutput] = []
+        generated = 0
         for req, n in scheduled:
             before_full = req.num_computed // bs
             req.num_computed += n
@@ -363,11 +365,11 @@ class EngineModel:
             if after_full > before_full:
                 self.pool.cache_full_blocks(req.block_ids[before_full:after_full],
                                             self._contents(req, before_full, after_full))
-            if req.num_computed < req.num_tokens:
+            if req.num_computed < req.prompt_len + len(req.output):
                 continue  # chunked prefill: more to do
-            token = req.next_token(self.config.vocab_size)
+            token = req.next_token(vocab)
             req.output.append(token)
-            self.stats.generation_tokens += 1
+            generated += 1
             first = req.first_token_at is None
             if first:
                 req.first_token_at = end
@@ -375,4 +377,5 @@ class EngineModel:
             if done:
                 self._finish(req, end)
             outputs.append(TokenOutput(req, token, first, done))
+        self.stats.generation_tokens += generated
         return outputs
