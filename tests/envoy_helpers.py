@@ -74,13 +74,13 @@ class Picker:
 
 
 async def start_picker(worker_specs: list, policy: str = "precise", probe_interval_s: float = 0.2,
-                       port: int | None = None, **routing) -> Picker:  # type: ignore[no-untyped-def]
-    core = RoutingCore(RoutingConfig(policy=policy, block_size=16, seed=0, **routing))
+                       port: int | None = None, block_size: int = 16, **routing) -> Picker:  # type: ignore[no-untyped-def]
+    core = RoutingCore(RoutingConfig(policy=policy, block_size=block_size, seed=0, **routing))
     fleet = Fleet(core, probe_interval_s=probe_interval_s)
     for spec in worker_specs:
         fleet.add(spec)
     await fleet.start()
-    picker = EndpointPicker(core, fleet, lambda m: load_tokenizer(), 16, RouterMetrics(fleet))
+    picker = EndpointPicker(core, fleet, lambda m: load_tokenizer(), block_size, RouterMetrics(fleet))
     port = port or free_port()
     started = asyncio.Event()
     task = asyncio.create_task(serve_epp(core, fleet, picker, port, None, "127.0.0.1", started=started, grace_s=1))
