@@ -121,7 +121,7 @@ async def test_shared_prefixes_land_on_their_holder_and_beat_round_robin(engines
             async with proxy(engines, policy) as (server, url):
                 placed: dict[int, set[str]] = {}
                 for g, q in sequence:
-                    st, data, h = await complete(s, url, groups[g] + f" question {q} for the group")
+                    st, _data, h = await complete(s, url, groups[g] + f" question {q} for the group")
                     assert st == 200
                     placed.setdefault(g, set()).add(h["x-kvrouter-worker"])
                     await settle(server)
@@ -136,7 +136,7 @@ async def test_outputs_are_identical_whether_the_prefix_was_cached(engines):
         await reset(s, engines)
         outs = []
         for e in (engines[0], engines[0], engines[1]):  # cold, cached, another engine cold
-            st, data, _ = await complete(s, e.url, text, max_tokens=8)
+            _st, data, _ = await complete(s, e.url, text, max_tokens=8)
             outs.append((data["choices"][0]["text"], data["usage"]["prompt_tokens_details"]["cached_tokens"]))
     assert outs[0][0] == outs[1][0] == outs[2][0]
     assert outs[0][1] == 0 and outs[1][1] > 0 and outs[2][1] == 0
@@ -160,7 +160,7 @@ async def test_through_envoy_and_the_endpoint_picker(engines, tmp_path):
 
 
 async def test_a_killed_engine_loses_nothing_unstarted_and_resyncs_after_restart(engines):
-    e0, e1 = engines
+    _e0, e1 = engines
     async with aiohttp.ClientSession() as s, proxy(engines, "round_robin") as (server, url):
         tasks = [asyncio.create_task(complete(s, url, prompt(500 + i), max_tokens=64)) for i in range(8)]
         await asyncio.sleep(0.3)
