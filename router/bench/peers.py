@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from router.bench.load import free_port
+from router.bench.load import free_port, http_ok, running
 
 
 class PeerUnavailable(RuntimeError):
@@ -34,27 +31,10 @@ def smg(worker_urls: list[str], policy: str = "cache_aware", timeout: float = 60
     cmd = [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *worker_urls,
            "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
            "--log-level", "warn"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        body = b'{"model": "sim-model", "prompt": "ready?", "max_tokens": 1}'
-        while True:  # ready when it has discovered the workers and routes a request
-            try:
-                req = urllib.request.Request(url + "/v1/completions", data=body,
-                                             headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise PeerUnavailable(f"smg did not start routing within {timeout:.0f} s (exit {proc.poll()})")
-            time.sleep(0.25)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    body = b'{"model": "sim-model", "prompt": "ready?", "max_tokens": 1}'
+    try:  # ready when it has discovered the workers and routes a request
+        with running(cmd, http_ok(url + "/v1/completions", body), timeout, "smg", stderr=subprocess.DEVNULL):
+            yield url
+    except RuntimeError as e:
+        raise PeerUnavailable(f"smg did not start routing within {timeout:.0f} s: {e}") from None
