@@ -29,9 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="overlay N copies of the trace with distinct users (N x requests and rate), for scale runs")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-size", type=int, default=128,
-                   help="engine KV block size in tokens (trace blocks are 512: 128 keeps hits exact, runs fast)")
-    p.add_argument("--gpu-blocks", type=int, default=8192, help="KV blocks per worker (default: 1M tokens)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="engine KV block size in tokens (default: 512 for a trace, whose own blocks are 512 "
+                        "tokens, so finer blocks cannot hit more; 16 for synthetic workloads)")
+    p.add_argument("--kv-tokens", type=int, default=1 << 20, help="KV cache per worker in tokens (default 1M)")
+    p.add_argument("--gpu-blocks", type=int, default=None, help="KV blocks per worker (overrides --kv-tokens)")
     p.add_argument("--cpu-blocks", type=int, default=0, help="CPU offload tier per worker (blocks)")
     p.add_argument("--timing", default=None, help="YAML/JSON overriding the engine timing model")
     p.add_argument("--json", action="store_true", help="print JSON with stable keys instead of the table")
@@ -56,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
                 r.arrival /= args.speedup
         source = args.workload
     timing = TimingModel.from_file(args.timing) if args.timing else TimingModel()
+    if args.block_size is None:
+        args.block_size = 512 if args.trace else 16
+    if args.gpu_blocks is None:
+        args.gpu_blocks = args.kv_tokens // args.block_size
     engine = EngineConfig(num_gpu_blocks=args.gpu_blocks, block_size=args.block_size, cpu_blocks=args.cpu_blocks,
                           timing=timing)
     bound = infinite_cache_bound(requests, args.block_size)
