@@ -208,10 +208,6 @@ class KvIndex:
         """Resident (worker, medium, engine hash) entries."""
         return self._entries
 
-    def resident_blocks(self, worker_id: str, medium: Medium = Medium.GPU) -> int:
-        w = self._workers.get(worker_id)
-        return len(w.refs[medium]) if w is not None else 0
-
     def blocks_held(self, worker_id: str) -> dict[Medium, int]:
         w = self._workers.get(worker_id)
         if w is None:

@@ -122,8 +122,6 @@ class RoutingCore:
 
         matches = self.index.match(req.keys) if req.keys else {}
         spec = self.speculative.match(req.keys, now) if req.keys else {}
-        resident = {r.worker_id: self.index.resident_blocks(r.worker_id) for r in eligible}
-        fullest = max(resident.values(), default=0) or 1
         credited = 0
         for r in eligible:
             r.state = self.index_state(r.worker_id, now)
@@ -140,7 +138,7 @@ class RoutingCore:
             load = self.load.workers.get(r.worker_id)
             r.inflight = load.requests if load else 0
             est = self.cost.estimate(r.worker_id, req.prompt_tokens, req.block_size, m, load,
-                                     self.fresh_metrics(r.worker_id), resident[r.worker_id] / fullest)
+                                     self.fresh_metrics(r.worker_id))
             r.queue_s, r.prefill_s, r.decode_s, r.ttft_s = est.queue_s, est.prefill_s, est.decode_s, est.ttft_s
             r.interference_s = est.interference_s
             r.score = est.score

@@ -15,10 +15,7 @@ A per-worker exponentially weighted factor learns how far observed TTFTs sit fro
 The score adds what this request costs the others: its prefill stalls every decode running on that worker
 for the prefill's length (``interference_s = running * prefill``), weighted by ``interference_weight``; and
 the prefill compute itself, weighted by ``compute_weight``: two cold copies of one prefix finish no sooner
-than one copy and a cache hit, but burn twice the GPU time (a burst of one new prefix stays together);
-and the cached blocks a cold prefill will push out, weighted by ``eviction_weight``: with costs otherwise
-equal, new prefixes go to the worker whose cache holds least (``fullness`` = its resident blocks over the
-fullest candidate's), so prefixes spread over the fleet's caches instead of evicting each other.
+than one copy and a cache hit, but burn twice the GPU time (a burst of one new prefix stays together).
 Minimising TTFT alone piles conversations onto their holders and stretches everyone's end-to-end latency;
 the interference term keeps cheap (cached) prefills on the holder and sends expensive cold ones where
 fewer decodes would wait for them.
@@ -43,7 +40,6 @@ class CostParams:
     decode_s_per_running: float = 2e-4
     interference_weight: float = 0.05
     compute_weight: float = 1.0
-    eviction_weight: float = 0.5
     waiting_prompt_tokens: int = 2048  # assumed size of each engine-reported waiting request
     learn_rate: float = 0.1  # EWMA weight of each observed TTFT (0 disables learning)
     learn_min: float = 0.25
@@ -67,8 +63,6 @@ class Estimate:
     interference_s: float = 0.0  # decode time this prefill takes from requests already running there
     interference_weight: float = 0.0
     compute_weight: float = 0.0
-    eviction_s: float = 0.0  # prefill value of the cached blocks this request's new blocks may evict
-    eviction_weight: float = 0.0
 
     @property
     def ttft_s(self) -> float:
@@ -76,8 +70,7 @@ class Estimate:
 
     @property
     def score(self) -> float:
-        return (self.ttft_s + self.interference_weight * self.interference_s + self.compute_weight * self.prefill_s
-                + self.eviction_weight * self.eviction_s)
+        return self.ttft_s + self.interference_weight * self.interference_s + self.compute_weight * self.prefill_s
 
 
 @dataclass
@@ -95,7 +88,7 @@ class CostModel:
         return steps * p.prefill_step_s + p.prefill_s_per_token * tokens + per_step_sq
 
     def estimate(self, worker_id: str, prompt_tokens: int, block_size: int, match: PrefixMatch | None,
-                 load: WorkerLoad | None, metrics: EngineMetrics | None, fullness: float = 0.0) -> Estimate:
+                 load: WorkerLoad | None, metrics: EngineMetrics | None) -> Estimate:
         p = self.params
         gpu = cpu = storage = 0
         if match is not None:
@@ -114,9 +107,8 @@ class CostModel:
             running = max(running, int(metrics.running))
         decode = running * p.decode_s_per_running
         k = self.scale.get(worker_id, 1.0)
-        eviction = uncached * p.prefill_s_per_token * fullness
         return Estimate(queue * k, prefill * k, decode * k, uncached, running * prefill * k, p.interference_weight,
-                        p.compute_weight, eviction * k, p.eviction_weight)
+                        p.compute_weight)
 
     def observe(self, worker_id: str, predicted_s: float | None, observed_s: float) -> None:
         """Fold one observed TTFT into the worker's correction factor."""
