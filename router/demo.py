@@ -181,6 +181,14 @@ async def drive_workload(policy: str, url: str, workload: list[DemoRequest], pro
     return run
 
 
+def median_run(runs: list[PolicyRun]) -> PolicyRun:
+    """The round whose mean TTFT is the median: a real run, not a blend of several."""
+    if len(runs) == 1:
+        return runs[0]
+    ordered = sorted(runs, key=lambda r: r.summary()["ttft_mean_s"])
+    return ordered[len(ordered) // 2]
+
+
 def table(runs: list[PolicyRun]) -> str:
     head = (f"{'policy':<14}{'TTFT p50 ms':>12}{'TTFT p99 ms':>12}{'TTFT mean':>11}{'E2E mean s':>11}"
             f"{'out tok/s':>10}{'hit rate':>10}{'errors':>8}  requests per worker")
@@ -242,15 +250,23 @@ def main(args: argparse.Namespace) -> int:
             urls.append(f"http://127.0.0.1:{port}")
             specs.append(f"{urls[-1]},id=w{i},events=tcp://127.0.0.1:{ev},replay=tcp://127.0.0.1:{rp}")
         print(f"workers up in {time.monotonic() - started:.1f} s", flush=True)
-        for policy in policies:
-            if policy == "smg":
-                try:
-                    runs.append(run_smg(urls, workload, progress=True))
-                except PeerUnavailable as e:
-                    print(f"  smg skipped: {e}", file=sys.stderr)
-                continue
-            runs.append(asyncio.run(run_policy(policy, specs, urls, workload, progress=True)))
+        rounds: list[list[PolicyRun]] = []
+        for r in range(args.rounds):  # policies in a rotated order each round: none always goes first
+            order = policies[r % len(policies):] + policies[: r % len(policies)]
+            done: list[PolicyRun] = []
+            for policy in order:
+                if policy == "smg":
+                    try:
+                        done.append(run_smg(urls, workload, progress=True))
+                    except PeerUnavailable as e:
+                        print(f"  smg skipped: {e}", file=sys.stderr)
+                    continue
+                done.append(asyncio.run(run_policy(policy, specs, urls, workload, progress=True)))
+            rounds.append(sorted(done, key=lambda x: policies.index(x.policy)))
+    runs = [median_run([rnd[i] for rnd in rounds]) for i in range(len(rounds[0]))] if rounds else []
     print()
+    if args.rounds > 1:
+        print(f"median over {args.rounds} rounds (each policy's rounds in rotated order):")
     print(table(runs))
     path = chart(runs, Path(args.chart))
     print(f"\nchart: {path}   total {time.monotonic() - started:.0f} s")
@@ -270,5 +286,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-blocks", type=int, default=1024,
                    help="KV blocks per worker (block size 16): one worker cannot hold every group's prefix")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every policy N times (rotating the order) and report each policy's median round")
     p.add_argument("--chart", default="out/demo.png", help="where to write the PNG chart")
     p.add_argument("--json", default=None, help="also write the per-policy summary as JSON here")

@@ -55,7 +55,7 @@ def test_cost_model_hand_computed():
     # past the step budget, pending work takes steps of its own: 20000 + 1000 tokens = 3 steps
     est = cm.estimate("a", 1000, 16, None, WorkerLoad(requests=3, pending_prefill_tokens=20000), None)
     assert est.queue_s == pytest.approx(2 * 0.01 + 20000e-4)
-    # engine metrics say more is waiting than we know of (another router): they win
+    # engine metrics say more is waiting than we sent (another router): the excess counts
     est = cm.estimate("a", 1000, 16, None, None, EngineMetrics(waiting=2, running=9, kv_usage=0.5, scraped_at=0))
     assert est.queue_s == pytest.approx(2 * p.waiting_prompt_tokens * 1e-4)  # 5096 tokens: one step
     assert est.decode_s == pytest.approx(9e-3)
@@ -84,14 +84,20 @@ def test_the_trap_a_long_hit_behind_a_3s_queue_loses_to_an_idle_cold_worker():
 
 def test_learned_scale_follows_observed_ttft():
     core = core_with(1, speculative_ttl_s=0)
-    base = core.cost.prefill_s(2000)  # what an idle, cold worker is modelled to take
+    base = core.cost.prefill_s(6000)  # what an idle, cold worker is modelled to take (over 0.1 s: learned from)
     for i in range(60):
-        req = request(list(range(i * 10_000, i * 10_000 + 2000)), f"r{i}")
+        req = request(list(range(i * 10_000, i * 10_000 + 6000)), f"r{i}")
         d = core.decide(req, now=float(i))
         assert d.predicted_ttft_s == pytest.approx(base * core.cost.scale.get("w0", 1.0))
         core.dispatched(req, "w0", d, now=float(i))
         core.first_token(f"r{i}", now=i + 2.0 * base)  # the worker is really 2x slower than modelled
         core.completed(f"r{i}", now=i + 0.5)
+    assert core.cost.scale["w0"] == pytest.approx(2.0, rel=0.02)
+    # short (cache-hit sized) TTFTs are mostly fixed overhead: they do not move the factor
+    short = request(list(range(900_000, 900_100)), "short")
+    d = core.decide(short, now=100.0)
+    core.dispatched(short, "w0", d, now=100.0)
+    core.first_token("short", now=100.0 + 10 * d.predicted_ttft_s)
     assert core.cost.scale["w0"] == pytest.approx(2.0, rel=0.02)
 
 

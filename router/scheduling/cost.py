@@ -42,6 +42,7 @@ class CostParams:
     compute_weight: float = 1.0
     waiting_prompt_tokens: int = 2048  # assumed size of each engine-reported waiting request
     learn_rate: float = 0.1  # EWMA weight of each observed TTFT (0 disables learning)
+    learn_min_predicted_s: float = 0.1  # learn only from TTFTs the model says are this long or longer
     learn_min: float = 0.25
     learn_max: float = 4.0
 
@@ -98,22 +99,28 @@ class CostModel:
         uncached = prompt_tokens - hit
         pending = load.pending_prefill_tokens if load else 0
         if metrics is not None and metrics.waiting is not None:
-            pending = max(pending, int(metrics.waiting) * p.waiting_prompt_tokens)
+            # the engine's waiting count includes ours (known exactly); only the excess is other routers' work
+            ours = (load.requests - load.decoding) if load else 0
+            pending += max(0, int(metrics.waiting) - ours) * p.waiting_prompt_tokens
         own = self.prefill_s(uncached)
         queue = self.prefill_s(pending + uncached) - own if pending else 0.0  # batched with what is pending
         prefill = own + cpu * p.load_back_s_per_token + storage * p.storage_s_per_token
         running = load.decoding if load else 0
         if metrics is not None and metrics.running is not None:
-            running = max(running, int(metrics.running))
+            running = max(running, int(metrics.running))  # running includes ours: the larger count wins
         decode = running * p.decode_s_per_running
         k = self.scale.get(worker_id, 1.0)
         return Estimate(queue * k, prefill * k, decode * k, uncached, running * prefill * k, p.interference_weight,
                         p.compute_weight)
 
     def observe(self, worker_id: str, predicted_s: float | None, observed_s: float) -> None:
-        """Fold one observed TTFT into the worker's correction factor."""
+        """Fold one observed TTFT into the worker's correction factor.
+
+        Short predictions are skipped: their observed TTFT is mostly fixed overhead (HTTP, tokenizing, the
+        first chunk), and a factor learned from cache hits would inflate every estimate of the holder.
+        """
         p = self.params
-        if not predicted_s or predicted_s <= 0 or observed_s <= 0 or p.learn_rate <= 0:
+        if not predicted_s or predicted_s < p.learn_min_predicted_s or observed_s <= 0 or p.learn_rate <= 0:
             return
         k = self.scale.get(worker_id, 1.0)
         raw = k * observed_s / predicted_s  # predicted already included k
