@@ -86,3 +86,18 @@ def test_cli_bench_index_quick_json():
     data = json.loads(out)
     assert data["ingest_block_events_per_s"] > 0
     assert set(data["match_p99_ms"]) == {"8k", "32k"} and data["bytes_per_resident_block"] > 0
+
+
+def test_replayed_batches_before_a_clear_are_skipped_and_the_result_is_the_same():
+    batches = [stored(100 + i, [i, i]) for i in range(6)]
+    batches[3] = EventBatch(0.0, [AllBlocksCleared(), *stored(200, [9, 9]).events], 0)
+    replayed = list(enumerate(batches))
+    fast = IndexFeeder(KvIndex(), block_size=2)
+    gap = fast.offer("w", 6, stored(300, [7, 7]), now=0.0)
+    assert fast.fill_gap(gap, replayed, stored(300, [7, 7]), now=0.0)
+    slow = IndexFeeder(KvIndex(), block_size=2)
+    for seq, b in replayed:
+        slow.offer("w", seq, b, now=0.0)
+    slow.offer("w", 6, stored(300, [7, 7]), now=0.0)
+    assert fast.index.engine_hashes("w") == slow.index.engine_hashes("w")
+    assert fast.feeds["w"].superseded_batches == 3 and fast.feeds["w"].synced

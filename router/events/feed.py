@@ -52,6 +52,7 @@ class WorkerFeed:
     orphan_blocks: int = 0  # stored blocks whose parent hash we did not know
     unknown_removals: int = 0
     block_size_mismatch: int = 0
+    superseded_batches: int = 0  # replayed batches skipped because a later AllBlocksCleared undid them
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,22 +95,33 @@ class IndexFeeder:
     def fill_gap(
         self, gap: Gap, replayed: Iterable[tuple[int, EventBatch]], held: EventBatch, now: float
     ) -> bool:
-        """Apply replayed batches covering ``gap`` then the held one; clear the worker if they do not."""
+        """Apply replayed batches covering ``gap`` then the held one; clear the worker if they do not.
+
+        Batches before the last ``AllBlocksCleared`` in the range are skipped (``superseded``): the clear
+        wipes whatever they did. A router meeting a long-lived engine replays up to its whole buffer
+        (vLLM keeps 10,000 batches); this keeps that from stalling decisions when a reset lies in between.
+        """
         f = self.feed(gap.worker_id)
+        covering: list[tuple[int, EventBatch]] = []
         want = gap.first_missing
         for seq, batch in sorted(replayed, key=lambda sb: sb[0]):
             if seq < want:
                 continue  # already applied
             if seq != want or seq >= gap.next_seq:
                 break
-            self._apply(f, seq, batch, now)
+            covering.append((seq, batch))
             want += 1
         filled = want == gap.next_seq
         if filled:
+            start = next((i for i in range(len(covering) - 1, -1, -1)
+                          if any(isinstance(e, AllBlocksCleared) for e in covering[i][1].events)), 0)
+            f.superseded_batches += start
+            for seq, batch in covering[start:]:
+                self._apply(f, seq, batch, now)
             f.gaps_filled += 1
             if gap.first_missing == 0:
                 f.synced = True  # replayed from the engine's very first batch
-        else:
+        else:  # a partial range is no better than nothing: whatever it did, the clear below undoes
             self.index.clear_worker(gap.worker_id)
             self._mark_unsynced(f, now)
         self._apply(f, gap.next_seq, held, now)
