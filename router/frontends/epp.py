@@ -63,6 +63,7 @@ class _Stream:
     first_byte: bool = False
     streamed: bool = False
     tail: bytes = b""
+    status: str = "200"
 
 
 def _header_mutation(address: str) -> pb.HeaderMutation:
@@ -139,6 +140,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 elif kind == "request_trailers":
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif kind == "response_headers":
+                    st.status = _headers_of(req.response_headers).get(":status", st.status)
                     self._served(st, req)
                     if req.response_headers.end_of_stream:
                         self._finish(st)
@@ -264,11 +266,13 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         if not st.streamed:
             self.core.first_token(st.rreq.request_id, now, learn=False)
         self.core.completed(st.rreq.request_id, now)
+        self.metrics.requests.labels(st.status).inc()
+        if st.status != "200":
+            return
         reported = cached_tokens_from(st.tail, st.streamed)
         if reported is not None:
             self.metrics.hit_reported.inc(reported)
         self.metrics.prompt_tokens.inc(st.rreq.prompt_tokens)
-        self.metrics.requests.labels("200").inc()
 
 
 def health_servicer(fleet: Fleet) -> health.HealthServicer:
