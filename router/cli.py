@@ -28,28 +28,10 @@ def _index_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_index(args: argparse.Namespace) -> int:
-    from router.bench.index_bench import main as bench_main
-
-    return bench_main(args)
-
-
 def _worker_sim(args: argparse.Namespace) -> int:
     from workers.sim.cli import run
 
     return run(args)
-
-
-def _bench_worker(args: argparse.Namespace) -> int:
-    from router.bench.worker_bench import main as bench_main
-
-    return bench_main(args)
-
-
-def _bench_decide(args: argparse.Namespace) -> int:
-    from router.bench.decide_bench import main as bench_main
-
-    return bench_main(args)
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -148,16 +130,11 @@ def _demo(args: argparse.Namespace) -> int:
     return demo_main(args)
 
 
-def _bench_proxy(args: argparse.Namespace) -> int:
-    from router.bench.proxy_bench import main as bench_main
+def _bench(args: argparse.Namespace) -> int:
+    """Every ``kvrouter bench NAME`` lives in router/bench/NAME_bench.py with a ``main(args)``."""
+    import importlib
 
-    return bench_main(args)
-
-
-def _bench_epp(args: argparse.Namespace) -> int:
-    from router.bench.epp_bench import main as bench_main
-
-    return bench_main(args)
+    return importlib.import_module(f"router.bench.{args.sub}_bench").main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,23 +200,23 @@ def build_parser() -> argparse.ArgumentParser:
     bi = bsub.add_parser("index", help="event ingest rate, match latency, index memory")
     bi.add_argument("--json", action="store_true")
     bi.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
-    bi.set_defaults(handler=_bench_index)
+    bi.set_defaults(handler=_bench)
     bw = bsub.add_parser("worker", help="simulated worker requests/s at time-scale 0 on one core")
     bw.add_argument("--json", action="store_true")
     bw.add_argument("--quick", action="store_true")
-    bw.set_defaults(handler=_bench_worker)
+    bw.set_defaults(handler=_bench)
     bd = bsub.add_parser("decide", help="latency of one routing decision over 8/64/256 workers")
     bd.add_argument("--json", action="store_true")
     bd.add_argument("--quick", action="store_true")
-    bd.set_defaults(handler=_bench_decide)
+    bd.set_defaults(handler=_bench)
     bp = bsub.add_parser("proxy", help="added latency and req/s: direct vs kvrouter serve vs smg")
     bp.add_argument("--json", action="store_true")
     bp.add_argument("--quick", action="store_true")
-    bp.set_defaults(handler=_bench_proxy)
+    bp.set_defaults(handler=_bench)
     be = bsub.add_parser("epp", help="Envoy vs Envoy + kvrouter epp: added latency, req/s, CPU per pick")
     be.add_argument("--json", action="store_true")
     be.add_argument("--quick", action="store_true")
-    be.set_defaults(handler=_bench_epp)
+    be.set_defaults(handler=_bench)
     return parser
 
 
