@@ -60,22 +60,27 @@ def _load_router_config(args: argparse.Namespace, extra: dict) -> object:
     return config
 
 
-def _epp(args: argparse.Namespace) -> int:
+def _run_router(args: argparse.Namespace, command: str, extra: dict, runner: Callable) -> int:
+    """Shared by serve and epp: logging, config (file + options) with clear errors, run until interrupted."""
     import asyncio
     import logging
 
-    from router.frontends.epp import run_epp
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = _load_router_config(args, {"epp.port": args.port, "epp.health_port": args.health_port,
-                                            "epp.metrics_port": args.metrics_port})
+        config = _load_router_config(args, extra)
     except ValueError as e:
-        print(f"kvrouter epp: {e}", file=sys.stderr)
+        print(f"kvrouter {command}: {e}", file=sys.stderr)
         return 2
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run_epp(config))  # type: ignore[arg-type]
+        asyncio.run(runner(config))
     return 0
+
+
+def _epp(args: argparse.Namespace) -> int:
+    from router.frontends.epp import run_epp
+
+    return _run_router(args, "epp", {"epp.port": args.port, "epp.health_port": args.health_port,
+                                     "epp.metrics_port": args.metrics_port}, run_epp)
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
@@ -106,22 +111,11 @@ def _routing_options(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import asyncio
-    import logging
-
     from router.frontends.proxy import run_proxy
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = _load_router_config(args, {
-            "listen.host": args.host, "listen.port": args.port, "admin.host": args.admin_host,
-            "admin.port": args.admin_port, "max_body_bytes": args.max_body_bytes})
-    except ValueError as e:
-        print(f"kvrouter serve: {e}", file=sys.stderr)
-        return 2
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run_proxy(config))  # type: ignore[arg-type]
-    return 0
+    return _run_router(args, "serve", {
+        "listen.host": args.host, "listen.port": args.port, "admin.host": args.admin_host,
+        "admin.port": args.admin_port, "max_body_bytes": args.max_body_bytes}, run_proxy)
 
 
 def _demo(args: argparse.Namespace) -> int:

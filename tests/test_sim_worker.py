@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import time
 
 import aiohttp
 import msgspec
@@ -254,28 +253,15 @@ async def test_fault_switches():
         await w.stop()
 
 
-def test_die_switch_ends_the_worker_process(tmp_path):
-    import socket
-    import subprocess
-    import sys
+def test_die_switch_ends_the_worker_process():
     import urllib.request
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "worker", "sim", "--port", str(port),
-                             "--time-scale", "0"])
+    from tests.sim_helpers import spawn_worker
+
+    w = spawn_worker("--time-scale", "0")
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.1)
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/fault", data=b'{"die": true}', method="POST")
+        req = urllib.request.Request(w.url + "/fault", data=b'{"die": true}', method="POST")
         urllib.request.urlopen(req, timeout=5)
-        assert proc.wait(timeout=10) == 1
+        assert w.proc.wait(timeout=10) == 1
     finally:
-        proc.kill()
+        w.proc.kill()
