@@ -65,7 +65,6 @@ class ProxyServer:
         self.metrics = RouterMetrics(self.fleet)
         self.decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=config.decision_log_size)
         self._session: aiohttp.ClientSession | None = None
-        self.inflight_tasks = 0
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:

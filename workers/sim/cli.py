@@ -57,5 +57,3 @@ def run(args: argparse.Namespace) -> int:
 
     web.run_app(app_factory(), host=args.host, port=args.port, print=None, access_log=None)
     return 0
-
-
