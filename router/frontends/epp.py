@@ -108,7 +108,6 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         self.metrics = metrics
         self.tenant_header = tenant_header.lower() if tenant_header else None
         self.fallbacks = fallbacks
-        self.open_streams = 0
 
     def _address_to_worker(self, address: str) -> str | None:
         for wid, ep in self.core.endpoints.items():
@@ -119,7 +118,6 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
         st = _Stream(started=time.monotonic())
-        self.open_streams += 1
         try:
             async for req in request_iterator:
                 kind = req.WhichOneof("request")
@@ -162,7 +160,6 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                     self._finish(st)
                     yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
         finally:
-            self.open_streams -= 1
             if st.rreq is not None and st.rreq.request_id in self.core.load.inflight:
                 self.core.completed(st.rreq.request_id, time.monotonic())  # client or Envoy went away
 
