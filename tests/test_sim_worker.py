@@ -206,19 +206,23 @@ async def test_ttft_falls_with_the_cached_prefix_in_proportion_to_the_timing_mod
     scale = 4.0  # stretch modelled times well past HTTP overhead
     w = await start_worker(time_scale=scale)
     timing = w.worker.engine.timing
-    prompt = "the system document of the user question and the answer " * 300
+    base = "the system document of the user question and the answer " * 300
+    savings, n = [], 0
     try:
         async with aiohttp.ClientSession() as s:
-            n = len(load_tokenizer().encode(prompt))
-            cold = await ttft(s, w.url + "/v1/completions", {"prompt": prompt, "max_tokens": 1})
-            warm = await ttft(s, w.url + "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+            for i in range(3):  # three fresh prompts; the median saving is steady on a busy box
+                prompt = f"variant {i} " + base
+                n = len(load_tokenizer().encode(prompt))
+                cold = await ttft(s, w.url + "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+                warm = await ttft(s, w.url + "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+                savings.append(cold - warm)
     finally:
         await w.stop()
     model_cold = timing.prefill_ms(n) / 1000 * scale
     model_warm = timing.prefill_ms(n - (n - 1) // 16 * 16) / 1000 * scale
-    assert warm < cold
+    assert min(savings) > 0
     # the saving measured over HTTP is the saving the model predicts (overheads cancel out)
-    assert (cold - warm) == pytest.approx(model_cold - model_warm, rel=0.3)
+    assert sorted(savings)[1] == pytest.approx(model_cold - model_warm, rel=0.3)
 
 
 async def test_fault_switches():
