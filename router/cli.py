@@ -191,26 +191,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print a table (or --json)")
     bsub = bench.add_subparsers(dest="sub", required=True)
-    bi = bsub.add_parser("index", help="event ingest rate, match latency, index memory")
-    bi.add_argument("--json", action="store_true")
-    bi.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
-    bi.set_defaults(handler=_bench)
-    bw = bsub.add_parser("worker", help="simulated worker requests/s at time-scale 0 on one core")
-    bw.add_argument("--json", action="store_true")
-    bw.add_argument("--quick", action="store_true")
-    bw.set_defaults(handler=_bench)
-    bd = bsub.add_parser("decide", help="latency of one routing decision over 8/64/256 workers")
-    bd.add_argument("--json", action="store_true")
-    bd.add_argument("--quick", action="store_true")
-    bd.set_defaults(handler=_bench)
-    bp = bsub.add_parser("proxy", help="added latency and req/s: direct vs kvrouter serve vs smg")
-    bp.add_argument("--json", action="store_true")
-    bp.add_argument("--quick", action="store_true")
-    bp.set_defaults(handler=_bench)
-    be = bsub.add_parser("epp", help="Envoy vs Envoy + kvrouter epp: added latency, req/s, CPU per pick")
-    be.add_argument("--json", action="store_true")
-    be.add_argument("--quick", action="store_true")
-    be.set_defaults(handler=_bench)
+    benches = {  # each is router/bench/NAME_bench.py
+        "index": "event ingest rate, match latency, index memory",
+        "worker": "simulated worker requests/s at time-scale 0 on one core",
+        "decide": "latency of one routing decision over 8/64/256 workers",
+        "proxy": "added latency and req/s: direct vs kvrouter serve vs smg",
+        "epp": "Envoy vs Envoy + kvrouter epp: added latency, req/s, CPU per pick",
+    }
+    for name, help_text in benches.items():
+        bp = bsub.add_parser(name, help=help_text)
+        bp.add_argument("--json", action="store_true", help="print JSON with stable keys")
+        bp.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
+        bp.set_defaults(handler=_bench)
     return parser
 
 

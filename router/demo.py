@@ -23,7 +23,7 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from router.bench.load import free_port, server_process
+from router.bench.load import free_port, sim_workers
 from router.bench.peers import PeerUnavailable
 from router.config import load_config
 from router.discovery import parse_worker_arg
@@ -239,16 +239,9 @@ def main(args: argparse.Namespace) -> int:
           f"policies: {', '.join(policies)}", flush=True)
     runs: list[PolicyRun] = []
     with ExitStack() as stack:
-        specs, urls = [], []
-        for i in range(args.workers):
-            port, ev, rp = free_port(), free_port(), free_port()
-            stack.enter_context(server_process(
-                ["-m", "router.cli", "worker", "sim", "--port", str(port), "--time-scale", str(args.time_scale),
-                 "--events-endpoint", f"tcp://[::ffff:127.0.0.1]:{ev}",
-                 "--replay-endpoint", f"tcp://[::ffff:127.0.0.1]:{rp}",
-                 "--num-gpu-blocks", str(args.gpu_blocks)], port))
-            urls.append(f"http://127.0.0.1:{port}")
-            specs.append(f"{urls[-1]},id=w{i},events=tcp://127.0.0.1:{ev},replay=tcp://127.0.0.1:{rp}")
+        workers = sim_workers(stack, args.workers, "--time-scale", str(args.time_scale),
+                              "--num-gpu-blocks", str(args.gpu_blocks), replay=True)
+        specs, urls = [w.spec for w in workers], [w.url for w in workers]
         print(f"workers up in {time.monotonic() - started:.1f} s", flush=True)
         rounds: list[list[PolicyRun]] = []
         for r in range(args.rounds):  # policies in a rotated order each round: none always goes first

@@ -18,7 +18,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from router.bench.load import drive, free_port, server_process
+from router.bench.load import drive, free_port, server_process, sim_workers
 from router.bench.proxy_bench import _bodies, _c1, _cpu_s, _p99
 from router.frontends.envoy_config import bootstrap, envoy_process
 
@@ -26,14 +26,8 @@ from router.frontends.envoy_config import bootstrap, envoy_process
 def run(quick: bool = False) -> dict[str, Any]:
     n_c1, rounds, n_c32 = (60, 2, 300) if quick else (200, 5, 2000)
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
-        addrs, specs = [], []
-        for i in range(2):
-            port, ev = free_port(), free_port()
-            stack.enter_context(server_process(
-                ["-m", "router.cli", "worker", "sim", "--port", str(port), "--time-scale", "0",
-                 "--events-endpoint", f"tcp://[::ffff:127.0.0.1]:{ev}"], port))
-            addrs.append(f"127.0.0.1:{port}")
-            specs.append(f"http://127.0.0.1:{port},id=w{i},events=tcp://127.0.0.1:{ev}")
+        workers = sim_workers(stack, 2, "--time-scale", "0")
+        addrs, specs = [w.address for w in workers], [w.spec for w in workers]
         picker_port = free_port()
         epp_args = ["-m", "router.cli", "epp", "--port", str(picker_port), "--health-port", str(free_port()),
                     "--metrics-port", str(free_port())]

@@ -86,6 +86,31 @@ def server_process(args: Sequence[str], port: int, core: int | None = None,
         yield proc
 
 
+@dataclass(frozen=True)
+class SimWorkerProcess:
+    """A simulated worker started by ``sim_workers``: where it listens and how the router names it."""
+
+    url: str
+    address: str
+    spec: str  # for --worker / parse_worker_arg: URL,id=..,events=..[,replay=..]
+
+
+def sim_workers(stack: contextlib.ExitStack, n: int, *args: str, replay: bool = False) -> list[SimWorkerProcess]:
+    """Start ``n`` ``kvrouter worker sim`` processes with KV events on loopback, stopped with ``stack``."""
+    out = []
+    for i in range(n):
+        port, ev, rp = free_port(), free_port(), free_port()
+        cmd = ["-m", "router.cli", "worker", "sim", "--port", str(port),
+               "--events-endpoint", f"tcp://[::ffff:127.0.0.1]:{ev}", *args]  # '::' binds, loopback only
+        spec = f"http://127.0.0.1:{port},id=w{i},events=tcp://127.0.0.1:{ev}"
+        if replay:
+            cmd += ["--replay-endpoint", f"tcp://[::ffff:127.0.0.1]:{rp}"]
+            spec += f",replay=tcp://127.0.0.1:{rp}"
+        stack.enter_context(server_process(cmd, port))
+        out.append(SimWorkerProcess(f"http://127.0.0.1:{port}", f"127.0.0.1:{port}", spec))
+    return out
+
+
 @dataclass
 class LoadResult:
     latencies_ms: list[float]

@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from router.bench.load import drive, free_port, server_process
+from router.bench.load import drive, free_port, server_process, sim_workers
 from router.bench.peers import PeerUnavailable, smg
 
 
@@ -55,14 +55,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     n_c1, rounds, n_c32 = (60, 2, 300) if quick else (200, 5, 3000)
     out: dict[str, Any] = {}
     with ExitStack() as stack:
-        worker_urls, specs = [], []
-        for i in range(2):
-            port, ev = free_port(), free_port()
-            stack.enter_context(server_process(
-                ["-m", "router.cli", "worker", "sim", "--port", str(port), "--time-scale", "0",
-                 "--events-endpoint", f"tcp://[::ffff:127.0.0.1]:{ev}"], port))
-            worker_urls.append(f"http://127.0.0.1:{port}")
-            specs.append(f"{worker_urls[-1]},id=w{i},events=tcp://127.0.0.1:{ev}")
+        workers = sim_workers(stack, 2, "--time-scale", "0")
+        worker_urls, specs = [w.url for w in workers], [w.spec for w in workers]
         kv_port, admin_port = free_port(), free_port()
         kv_args = ["-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(kv_port), "--admin-port",
                    str(admin_port), "--policy", "precise"]

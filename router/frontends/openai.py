@@ -12,9 +12,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from aiohttp import web
+
 from router.keys import request_keys
 from router.scheduling import RouteRequest
 from router.tokenizer import PromptError, PromptTokenizer
+
+
+def error_response(status: int, message: str, kind: str = "BadRequestError",
+                   headers: dict[str, str] | None = None) -> web.Response:
+    """An error as vLLM's OpenAI server shapes it (the proxy and the simulated worker both answer so)."""
+    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+    return web.json_response(body, status=status, headers=headers)
 
 
 class BadRequest(ValueError):

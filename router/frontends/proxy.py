@@ -25,6 +25,7 @@ from router.config import RouterConfig
 from router.frontends.fleet import fleet_from_config
 from router.frontends.metrics import RouterMetrics
 from router.frontends.openai import BadRequest, ParsedRequest, parse_body
+from router.frontends.openai import error_response as error
 from router.scheduling import Decision, RoutingCore
 from router.tokenizer import PromptTokenizer, load_tokenizer
 
@@ -34,12 +35,6 @@ DESTINATION_HEADERS = {"x-gateway-destination-endpoint", "x-gateway-destination-
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
               "transfer-encoding", "upgrade", "host", "content-length"}
 USAGE_TAIL_BYTES = 8192
-
-
-def error(status: int, message: str, kind: str = "BadRequestError", headers: dict[str, str] | None = None
-          ) -> web.Response:
-    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
-    return web.json_response(body, status=status, headers=headers)
 
 
 def cached_tokens_from(tail: bytes, streamed: bool) -> int | None:

@@ -22,6 +22,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from router.frontends.openai import error_response as error
 from router.tokenizer import PromptError, PromptTokenizer
 from workers.engine import EngineModel, EngineRequest, TokenOutput
 from workers.sim.publisher import KvEventPublisher
@@ -38,11 +39,6 @@ class Faults:
 
     health_status: int = 200
     slowdown: float = 1.0
-
-
-def error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
-    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
-    return web.json_response(body, status=status)
 
 
 class _Metrics:
