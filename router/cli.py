@@ -197,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
         "decide": "latency of one routing decision over 8/64/256 workers",
         "proxy": "added latency and req/s: direct vs kvrouter serve vs smg",
         "epp": "Envoy vs Envoy + kvrouter epp: added latency, req/s, CPU per pick",
+        "quality": "live proxy routing quality over several workload seeds: precise vs round_robin, approx, smg",
     }
     for name, help_text in benches.items():
         bp = bsub.add_parser(name, help=help_text)

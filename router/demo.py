@@ -31,6 +31,9 @@ from router.frontends.proxy import ProxyServer
 from router.tokenizer import load_tokenizer
 
 DEMO_POLICIES = "random,round_robin,least_loaded,session_hash,approx_prefix,precise"
+# the demo's fleet and workload; ``kvrouter bench quality`` replays the same shape over several seeds
+DEMO_DEFAULTS: dict[str, Any] = {"workers": 3, "time_scale": 1.0, "gpu_blocks": 1024, "groups": 24, "per_group": 6,
+                                 "rate": 16.0}
 
 
 @dataclass
@@ -269,14 +272,16 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--workers", type=int, default=DEMO_DEFAULTS["workers"])
     p.add_argument("--policies", default=DEMO_POLICIES,
                    help="comma-separated; 'smg' adds the SGLang model gateway (cache_aware) as a peer if installed")
-    p.add_argument("--groups", type=int, default=24, help="shared-prefix groups (each its own system prompt)")
-    p.add_argument("--per-group", type=int, default=6)
-    p.add_argument("--rate", type=float, default=16.0, help="arrivals per second")
-    p.add_argument("--time-scale", type=float, default=1.0, help="workers' modelled-time multiplier")
-    p.add_argument("--gpu-blocks", type=int, default=1024,
+    p.add_argument("--groups", type=int, default=DEMO_DEFAULTS["groups"],
+                   help="shared-prefix groups (each its own system prompt)")
+    p.add_argument("--per-group", type=int, default=DEMO_DEFAULTS["per_group"])
+    p.add_argument("--rate", type=float, default=DEMO_DEFAULTS["rate"], help="arrivals per second")
+    p.add_argument("--time-scale", type=float, default=DEMO_DEFAULTS["time_scale"],
+                   help="workers' modelled-time multiplier")
+    p.add_argument("--gpu-blocks", type=int, default=DEMO_DEFAULTS["gpu_blocks"],
                    help="KV blocks per worker (block size 16): one worker cannot hold every group's prefix")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1,

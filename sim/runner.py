@@ -85,6 +85,7 @@ class Simulation:
         self.engines = {w: EngineModel(ec) for w in self.ids}
         for i, w in enumerate(self.ids):
             self.core.upsert_endpoint(Endpoint(w, f"10.0.0.{i + 1}:8000"))
+            self.core.cache_tokens[w] = ec.num_gpu_blocks * ec.block_size  # what a live router scrapes
         self.busy = dict.fromkeys(self.ids, False)
         self.seq = dict.fromkeys(self.ids, 0)
         self.published: dict[str, list[EventBatch]] = {w: [] for w in self.ids}  # the replay buffer

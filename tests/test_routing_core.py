@@ -82,6 +82,35 @@ def test_the_trap_a_long_hit_behind_a_3s_queue_loses_to_an_idle_cold_worker():
     assert core.decide(request(prompt, "r2"), now=0.3).chosen == "holder"
 
 
+
+def test_a_second_copy_into_a_full_cache_pays_for_what_it_pushes_out():
+    """A holder with a short queue vs an idle worker: a near tie that a full fleet cache tips to the holder."""
+    p = CostParams(prefill_s_per_token=1e-4, prefill_s_per_token_sq=0.0, prefill_step_s=0.0, learn_rate=0,
+                   compute_weight=1.0, eviction_weight=1.0, decode_s_per_running=0.0)
+    core = RoutingCore(RoutingConfig(block_size=BS, cost=p, seed=0, speculative_ttl_s=0))
+    for w in ("holder", "idle"):
+        core.upsert_endpoint(Endpoint(w, f"10.0.0.{len(core.endpoints)}:1"))
+    prompt = list(range(1601))  # 100 blocks held: a cold copy costs 0.16 s, its compute 0.16 s more
+    feed_prefix(core, "holder", prompt, now=0.0)
+    core.load.dispatch("queued", "holder", 4000, 4000, 10, now=0.0)  # 0.4 s queued: 0.4 > 2 x 0.16
+    d = core.decide(request(prompt, "a"), now=0.1)
+    by = {c.worker_id: c for c in d.candidates}
+    assert d.chosen == "idle" and by["idle"].eviction_s == 0  # capacity unknown: no eviction cost
+    # both caches reported full (100 blocks resident on 1,600-token caches): a second copy evicts a prefix
+    # worth its prefill again, so it now costs 3 x 0.16 s > 0.4 s of queue
+    feed_prefix(core, "idle", list(range(50_000, 51_600)), now=0.0)
+    for w in ("holder", "idle"):
+        core.update_metrics(w, EngineMetrics(None, None, None, scraped_at=0.0, cache_tokens=1600))
+    assert core.fullness("idle") == 1.0
+    d = core.decide(request(prompt, "b"), now=0.1)
+    by = {c.worker_id: c for c in d.candidates}
+    assert by["idle"].eviction_s == pytest.approx(0.16) and by["holder"].eviction_s == 0
+    assert d.chosen == "holder"
+    # a prefix nobody holds pays no eviction cost anywhere: it must be stored somewhere
+    cold = core.decide(request(list(range(90_000, 91_601)), "c"), now=0.1)
+    assert all(c.eviction_s == 0 for c in cold.candidates)
+
+
 def test_learned_scale_follows_observed_ttft():
     core = core_with(1, speculative_ttl_s=0)
     base = core.cost.prefill_s(6000)  # what an idle, cold worker is modelled to take (over 0.1 s: learned from)
@@ -217,6 +246,26 @@ def test_speculative_record_steers_a_burst_before_events_arrive():
     assert all(c.speculative == 0 for c in later.candidates)
 
 
+
+def test_speculative_credit_survives_a_resync_but_not_staleness():
+    core = core_with(2, stale_after_s=1.0)
+    prompt = list(range(16_000))
+    first = core.decide(request(prompt, "a"), now=0.0)
+    core.dispatched(request(prompt, "a"), first.chosen, first, now=0.0)
+    # the worker's first event comes with seq 5: the router asks for a replay and the index is unsynced
+    gap = core.feeder.offer(first.chosen, 5, EventBatch(0.01, [], 0), now=0.01)
+    assert gap is not None and core.index_state(first.chosen, 0.02) == "unsynced"
+    d = core.decide(request(prompt, "b"), now=0.02)
+    assert d.chosen == first.chosen  # what we just sent there is still there
+    assert next(c for c in d.candidates if c.worker_id == first.chosen).speculative == len(prompt) // BS
+    core.dispatched(request(prompt, "b"), d.chosen, d, now=0.02)
+    other = core_with(2, stale_after_s=0.5)  # a worker taking requests with no events for too long: none
+    d = other.decide(request(prompt, "a"), now=0.0)
+    other.dispatched(request(prompt, "a"), d.chosen, d, now=0.0)
+    assert other.index_state(d.chosen, 1.0) == "stale"
+    later = other.decide(request(prompt, "b"), now=1.0)
+    assert all(c.speculative == 0 for c in later.candidates)
+
 # ---- other policies -------------------------------------------------------------------------------------
 
 def test_round_robin_session_hash_least_loaded():
@@ -263,6 +312,10 @@ def test_metrics_parse_vllm_and_sglang_and_go_stale():
     m2 = parse_engine_metrics(sg, scraped_at=10.0)
     assert (m2.waiting, m2.running, m2.kv_usage) == (7, None, 0.5)
     assert m.fresh(11.0, 2.0) is m and m.fresh(12.5, 2.0) is None
+    assert m.cache_tokens is None  # no cache_config_info: capacity unknown
+    info = ('# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="16",enable_prefix_caching="True",'
+            'num_cpu_blocks="0",num_gpu_blocks="1024"} 1.0\n')
+    assert parse_engine_metrics(vllm + info, scraped_at=10.0).cache_tokens == 16 * 1024
     core = core_with(1, metrics_max_age_s=2.0)
     core.update_metrics("w0", m)
     d = core.decide(request(list(range(64))), now=10.5)

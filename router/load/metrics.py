@@ -7,6 +7,7 @@ unknown, never as zero (a dead scrape must not make a busy worker look idle).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -28,6 +29,7 @@ class EngineMetrics:
     running: float | None
     kv_usage: float | None
     scraped_at: float
+    cache_tokens: int | None = None  # KV-cache capacity: vLLM's cache_config_info num_gpu_blocks x block_size
 
     def fresh(self, now: float, max_age_s: float) -> EngineMetrics | None:
         return self if now - self.scraped_at <= max_age_s else None
@@ -36,11 +38,26 @@ class EngineMetrics:
 def parse_engine_metrics(text: str, scraped_at: float) -> EngineMetrics:
     """Sum across label sets (one engine per DP rank may report under one endpoint)."""
     found: dict[str, float] = {}
+    cache_tokens: int | None = None
     for fam in text_string_to_metric_families(text):
+        if fam.name == "vllm:cache_config_info":
+            cache_tokens = _cache_tokens(fam.samples) or cache_tokens
+            continue
         field = _NAMES.get(fam.name)
         if field is None:
             continue
         for s in fam.samples:
             if s.name == fam.name:
                 found[field] = found.get(field, 0.0) + s.value
-    return EngineMetrics(found.get("waiting"), found.get("running"), found.get("kv_usage"), scraped_at)
+    return EngineMetrics(found.get("waiting"), found.get("running"), found.get("kv_usage"), scraped_at, cache_tokens)
+
+
+def _cache_tokens(samples: list[Any]) -> int | None:
+    """Tokens the engine's GPU KV cache holds, summed over ranks; None when the labels do not say."""
+    total = 0
+    for s in samples:
+        try:
+            total += int(s.labels["num_gpu_blocks"]) * int(s.labels["block_size"])
+        except (KeyError, ValueError):
+            return None
+    return total or None

@@ -3,7 +3,8 @@
 The proxy, the endpoint picker and the simulator all hold one ``RoutingCore`` and call ``decide`` per
 request, then ``dispatched`` / ``first_token`` / ``completed`` as the request moves. The index is fed
 separately (``IndexFeeder``); the core only reads it, and gives a worker prefix credit only while its
-index is synced and fresh.
+index is synced and fresh (and credit for what it sent there in the last seconds, the speculative prefix,
+also while that index resyncs).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 
 from router.events.feed import IndexFeeder
-from router.index import KvIndex, PrefixMatch
+from router.index import KvIndex, Medium, PrefixMatch
 from router.index.speculative import SpeculativePrefixes
 from router.load import EngineMetrics, LoadTracker
 from router.scheduling.cost import CostModel, CostParams
@@ -50,6 +51,7 @@ class RoutingCore:
         self.cost = CostModel(self.config.cost)
         self.speculative = SpeculativePrefixes(self.config.speculative_ttl_s)
         self.metrics: dict[str, EngineMetrics] = {}
+        self.cache_tokens: dict[str, int] = {}  # per worker: GPU KV-cache capacity in tokens, when reported
         self.endpoints: dict[str, Endpoint] = {}
         self.rng = random.Random(self.config.seed)
         # per worker: the first dispatch not yet followed by any KV event (for staleness)
@@ -67,10 +69,20 @@ class RoutingCore:
         self.load.forget_worker(worker_id)
         self.speculative.forget_worker(worker_id)
         self.metrics.pop(worker_id, None)
+        self.cache_tokens.pop(worker_id, None)
         self._awaiting_events_since.pop(worker_id, None)
 
     def update_metrics(self, worker_id: str, metrics: EngineMetrics) -> None:
         self.metrics[worker_id] = metrics
+        if metrics.cache_tokens:
+            self.cache_tokens[worker_id] = metrics.cache_tokens
+
+    def fullness(self, worker_id: str) -> float:
+        """Resident GPU blocks (by the index) over the worker's cache capacity; 0 when capacity is unknown."""
+        capacity = self.cache_tokens.get(worker_id)
+        if not capacity:
+            return 0.0
+        return min(1.0, self.index.blocks_held(worker_id)[Medium.GPU] * self.config.block_size / capacity)
 
     def fresh_metrics(self, worker_id: str) -> EngineMetrics | None:
         m = self.metrics.get(worker_id)
@@ -123,24 +135,31 @@ class RoutingCore:
         matches = self.index.match(req.keys) if req.keys else {}
         spec = self.speculative.match(req.keys, now) if req.keys else {}
         credited = 0
+        held: dict[str, PrefixMatch | None] = {}
         for r in eligible:
             r.state = self.index_state(r.worker_id, now)
             r.prefix_credit = r.state == "synced"
             m = matches.get(r.worker_id) if r.prefix_credit else None
             if m is not None:
                 r.matched_gpu, r.matched_cpu, r.matched_storage = m.gpu, m.cpu, m.storage
-            r.speculative = spec.get(r.worker_id, 0) if r.prefix_credit else 0
+            # what we sent there in the last seconds stays true while its index resyncs (a replay in flight)
+            r.speculative = spec.get(r.worker_id, 0) if r.state in ("synced", "unsynced") else 0
             if r.speculative > r.matched_gpu + r.matched_cpu + r.matched_storage:
                 # blocks on their way to this worker: count them as they will be (on GPU)
                 r.matched_gpu, r.matched_cpu, r.matched_storage = r.speculative, 0, 0
                 m = PrefixMatch(r.speculative)
+            held[r.worker_id] = m
             credited += r.prefix_credit
+        best_held = max((r.matched_gpu + r.matched_cpu + r.matched_storage for r in eligible), default=0)
+        for r in eligible:
             load = self.load.workers.get(r.worker_id)
             r.inflight = load.requests if load else 0
-            est = self.cost.estimate(r.worker_id, req.prompt_tokens, req.block_size, m, load,
-                                     self.fresh_metrics(r.worker_id))
+            duplicate = (best_held - r.matched_gpu - r.matched_cpu - r.matched_storage) * req.block_size
+            est = self.cost.estimate(r.worker_id, req.prompt_tokens, req.block_size, held[r.worker_id], load,
+                                     self.fresh_metrics(r.worker_id), duplicate,
+                                     self.fullness(r.worker_id) if duplicate else 0.0)
             r.queue_s, r.prefill_s, r.decode_s, r.ttft_s = est.queue_s, est.prefill_s, est.decode_s, est.ttft_s
-            r.interference_s = est.interference_s
+            r.interference_s, r.eviction_s = est.interference_s, est.eviction_s
             r.score = est.score
         decision.ranked = policy.rank(req, eligible)
         by_id = {r.worker_id: r for r in eligible}

@@ -15,7 +15,11 @@ A per-worker exponentially weighted factor learns how far observed TTFTs sit fro
 The score adds what this request costs the others: its prefill stalls every decode running on that worker
 for the prefill's length (``interference_s = running * prefill``), weighted by ``interference_weight``; and
 the prefill compute itself, weighted by ``compute_weight``: two cold copies of one prefix finish no sooner
-than one copy and a cache hit, but burn twice the GPU time (a burst of one new prefix stays together).
+than one copy and a cache hit, but burn twice the GPU time (a burst of one new prefix stays together);
+and, weighted by ``eviction_weight``, the cache space a second copy takes: prefilling on one worker a prefix
+another worker already holds pushes out that many tokens of other prefixes once the cache is full (scaled by
+how full it is), and the fleet pays their prefill again later. A first copy is not charged: a new prefix
+must be stored somewhere, and charging it would only steer new prefixes by fullness (measured: worse p99).
 Minimising TTFT alone piles conversations onto their holders and stretches everyone's end-to-end latency;
 the interference term keeps cheap (cached) prefills on the holder and sends expensive cold ones where
 fewer decodes would wait for them.
@@ -40,6 +44,7 @@ class CostParams:
     decode_s_per_running: float = 2e-4
     interference_weight: float = 0.05
     compute_weight: float = 1.0
+    eviction_weight: float = 3.0
     waiting_prompt_tokens: int = 2048  # assumed size of each engine-reported waiting request
     learn_rate: float = 0.1  # EWMA weight of each observed TTFT (0 disables learning)
     learn_min_predicted_s: float = 0.1  # learn only from TTFTs the model says are this long or longer
@@ -64,6 +69,8 @@ class Estimate:
     interference_s: float = 0.0  # decode time this prefill takes from requests already running there
     interference_weight: float = 0.0
     compute_weight: float = 0.0
+    eviction_s: float = 0.0  # prefill value of the cached tokens a duplicate copy would push out
+    eviction_weight: float = 3.0
 
     @property
     def ttft_s(self) -> float:
@@ -71,7 +78,8 @@ class Estimate:
 
     @property
     def score(self) -> float:
-        return self.ttft_s + self.interference_weight * self.interference_s + self.compute_weight * self.prefill_s
+        return (self.ttft_s + self.interference_weight * self.interference_s + self.compute_weight * self.prefill_s
+                + self.eviction_weight * self.eviction_s)
 
 
 @dataclass
@@ -89,7 +97,10 @@ class CostModel:
         return steps * p.prefill_step_s + p.prefill_s_per_token * tokens + per_step_sq
 
     def estimate(self, worker_id: str, prompt_tokens: int, block_size: int, match: PrefixMatch | None,
-                 load: WorkerLoad | None, metrics: EngineMetrics | None) -> Estimate:
+                 load: WorkerLoad | None, metrics: EngineMetrics | None, duplicate_tokens: int = 0,
+                 fullness: float = 0.0) -> Estimate:
+        """``duplicate_tokens``: of this prompt, what another candidate already caches and this one would
+        prefill again; ``fullness``: this worker's resident cache over its capacity (0 when unknown)."""
         p = self.params
         gpu = cpu = storage = 0
         if match is not None:
@@ -110,8 +121,9 @@ class CostModel:
             running = max(running, int(metrics.running))  # running includes ours: the larger count wins
         decode = running * p.decode_s_per_running
         k = self.scale.get(worker_id, 1.0)
+        eviction = self.prefill_s(min(duplicate_tokens, uncached)) * min(max(fullness, 0.0), 1.0)
         return Estimate(queue * k, prefill * k, decode * k, uncached, running * prefill * k, p.interference_weight,
-                        p.compute_weight)
+                        p.compute_weight, eviction * k, p.eviction_weight)
 
     def observe(self, worker_id: str, predicted_s: float | None, observed_s: float) -> None:
         """Fold one observed TTFT into the worker's correction factor.

@@ -56,6 +56,7 @@ class CandidateReport:
     decode_s: float = 0.0
     ttft_s: float = 0.0
     interference_s: float = 0.0
+    eviction_s: float = 0.0
     score: float = 0.0
     inflight: int = 0
 

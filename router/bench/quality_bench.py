@@ -1,0 +1,115 @@
+"""``kvrouter bench quality``: routing quality through the live proxy, pooled over several workloads.
+
+One demo round is 144 requests, and on a shared 2-core machine the same policy on the same arrivals moves
+its hit rate by a few points from run to run (event and step timing decide which prefix an LRU cache drops
+first). A policy comparison that means something needs more: this replays the demo's workload shape with
+several seeds (different prompts, groups and arrival orders), every policy on every seed, in rotated order,
+caches reset before each run, and pools all requests per policy. It also counts, seed by seed, in how many
+seeds precise beats each other policy (paired: same arrivals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+from contextlib import ExitStack
+from typing import Any
+
+from router.bench.load import sim_workers
+from router.bench.peers import PeerUnavailable
+from router.demo import DEMO_DEFAULTS, PolicyRun, run_policy, run_smg, shared_prefix_workload
+
+POLICIES = ["round_robin", "approx_prefix", "precise", "smg"]
+
+
+def pooled(runs: list[PolicyRun]) -> PolicyRun:
+    """All requests of one policy's runs as one run."""
+    out = PolicyRun(runs[0].policy)
+    for r in runs:
+        out.ttft += r.ttft
+        out.e2e += r.e2e
+        out.prompt_tokens += r.prompt_tokens
+        out.cached_tokens += r.cached_tokens
+        out.output_tokens += r.output_tokens
+        out.errors += r.errors
+        out.wall_s += r.wall_s
+    return out
+
+
+def run(seeds: int, progress: bool = True) -> dict[str, Any]:
+    d = DEMO_DEFAULTS
+    by_policy: dict[str, list[PolicyRun]] = {}
+    skipped: dict[str, str] = {}
+    with ExitStack() as stack:
+        workers = sim_workers(stack, d["workers"], "--time-scale", str(d["time_scale"]),
+                              "--num-gpu-blocks", str(d["gpu_blocks"]), replay=True)
+        specs, urls = [w.spec for w in workers], [w.url for w in workers]
+        for seed in range(seeds):
+            workload = shared_prefix_workload(d["groups"], d["per_group"], d["rate"], seed)
+            order = POLICIES[seed % len(POLICIES):] + POLICIES[: seed % len(POLICIES)]
+            for policy in order:
+                if policy in skipped:
+                    continue
+                if policy == "smg":
+                    try:
+                        result = run_smg(urls, workload, progress)
+                    except PeerUnavailable as e:
+                        skipped[policy] = str(e)
+                        continue
+                else:
+                    result = asyncio.run(run_policy(policy, specs, urls, workload, progress))
+                by_policy.setdefault(policy, []).append(result)
+    out: dict[str, Any] = {"seeds": seeds, "requests_per_seed": d["groups"] * d["per_group"], "policies": {}}
+    precise = by_policy.get("precise", [])
+    for policy in POLICIES:
+        if policy in skipped:
+            out["policies"][policy] = {"skipped": skipped[policy]}
+            continue
+        runs = by_policy[policy]
+        entry: dict[str, Any] = dict(pooled(runs).summary())
+        entry["per_seed"] = [r.summary() for r in runs]
+        if policy != "precise" and len(precise) == len(runs):
+            pairs = list(zip(precise, runs, strict=True))
+            entry["precise_lower_mean_ttft_seeds"] = sum(
+                p.summary()["ttft_mean_s"] < r.summary()["ttft_mean_s"] for p, r in pairs)
+            entry["precise_higher_hit_rate_seeds"] = sum(
+                p.summary()["hit_rate"] > r.summary()["hit_rate"] for p, r in pairs)
+        out["policies"][policy] = entry
+    return out
+
+
+def table(res: dict[str, Any]) -> str:
+    n = res["seeds"]
+    head = (f"{'policy':<14}{'requests':>9}{'TTFT mean ms':>13}{'p50 ms':>8}{'p99 ms':>8}{'hit rate':>9}"
+            f"{'hit min-max':>13}{'errors':>7}  precise better in (seeds): TTFT / hit")
+    lines = [head, "-" * len(head)]
+    for policy, s in res["policies"].items():
+        if "skipped" in s:
+            lines.append(f"{policy:<14}skipped: {s['skipped']}")
+            continue
+        hits = [x["hit_rate"] for x in s["per_seed"]]
+        wins = (f"{s['precise_lower_mean_ttft_seeds']}/{n} / {s['precise_higher_hit_rate_seeds']}/{n}"
+                if "precise_lower_mean_ttft_seeds" in s else "")
+        lines.append(f"{policy:<14}{s['requests']:>9}{s['ttft_mean_s'] * 1e3:>13.1f}{s['ttft_p50_s'] * 1e3:>8.1f}"
+                     f"{s['ttft_p99_s'] * 1e3:>8.1f}{s['hit_rate']:>9.1%}"
+                     f"{f'{min(hits):.1%}-{max(hits):.1%}':>13}{s['errors']:>7}  {wins}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    seeds = 2 if args.quick else 8
+    res = run(seeds, progress=not args.json)
+    if args.json:
+        print(json.dumps(res, indent=2, sort_keys=True))
+    else:
+        print(f"\n{seeds} seeds x {res['requests_per_seed']} requests per policy, pooled "
+              f"(median seed hit rate of precise: "
+              f"{statistics.median(x['hit_rate'] for x in res['policies']['precise']['per_seed']):.1%})")
+        print(table(res))
+    errors = sum(s.get("errors", 0) for s in res["policies"].values())
+    if errors:
+        print(f"{errors} requests failed", file=sys.stderr)
+    return 0 if not errors else 1
