@@ -8,7 +8,7 @@ import pytest
 from router.events.codec import BlockStored, EventBatch
 from router.index import PrefixMatch
 from router.keys import request_keys
-from router.load import EngineMetrics, WorkerLoad, parse_engine_metrics
+from router.load import EngineMetrics, LoadTracker, WorkerLoad, parse_engine_metrics
 from router.scheduling import CostModel, CostParams, Endpoint, RouteRequest, RoutingConfig, RoutingCore
 from sim.runner import SimConfig, Simulation
 from sim.workload import SimRequest, tokens_for_block
@@ -96,11 +96,12 @@ def test_a_second_copy_into_a_full_cache_pays_for_what_it_pushes_out():
     d = core.decide(request(prompt, "a"), now=0.1)
     by = {c.worker_id: c for c in d.candidates}
     assert d.chosen == "idle" and by["idle"].eviction_s == 0  # capacity unknown: no eviction cost
-    # both caches reported full (100 blocks resident on 1,600-token caches): a second copy evicts a prefix
+    # both caches reported full (500 blocks resident on 8,000-token caches): a second copy evicts a prefix
     # worth its prefill again, so it now costs 3 x 0.16 s > 0.4 s of queue
-    feed_prefix(core, "idle", list(range(50_000, 51_600)), now=0.0)
+    feed_prefix(core, "holder", list(range(200_000, 206_400)), now=0.0, seq=1)
+    feed_prefix(core, "idle", list(range(50_000, 58_000)), now=0.0)
     for w in ("holder", "idle"):
-        core.update_metrics(w, EngineMetrics(None, None, None, scraped_at=0.0, cache_tokens=1600))
+        core.update_metrics(w, EngineMetrics(None, None, None, scraped_at=0.0, cache_tokens=8000))
     assert core.fullness("idle") == 1.0
     d = core.decide(request(prompt, "b"), now=0.1)
     by = {c.worker_id: c for c in d.candidates}
@@ -110,6 +111,47 @@ def test_a_second_copy_into_a_full_cache_pays_for_what_it_pushes_out():
     cold = core.decide(request(list(range(90_000, 91_601)), "c"), now=0.1)
     assert all(c.eviction_s == 0 for c in cold.candidates)
 
+
+
+def test_kv_blocks_in_flight_count_a_shared_prefix_once_and_free_in_finish_order():
+    tracker = LoadTracker()
+    system = request_keys(list(range(1600)), BS)  # 100 blocks
+    a = system + request_keys(list(range(1600)) + [7] * 160, BS)[100:]  # + 10 blocks of its own
+    b = system + request_keys(list(range(1600)) + [8] * 160, BS)[100:]
+    tracker.dispatch("a", "w", 1760, 1760, 32, now=0.0, keys=a, block_size=BS)  # tail: 2 output blocks
+    tracker.dispatch("b", "w", 1760, 1760, 32, now=0.0, keys=b, block_size=BS)
+    load = tracker.load("w")
+    assert load.active_blocks == 100 + 10 + 10 + 2 + 2
+    assert load.shared_prefix_blocks([*system, 1, 2, 3]) == 100 and load.shared_prefix_blocks(a) == 110
+    tracker.first_token("a", now=0.1)  # a finishes 32 steps of 10 ms after its first token: at 0.42
+    tracker.first_token("b", now=0.2)  # b at 0.52
+    # a frees only its own 12 blocks (b still holds the system prompt); b's finish frees the other 112
+    assert tracker.release_wait_s("w", 12, now=0.0, decode_step_s=0.01) == pytest.approx(0.42)
+    assert tracker.release_wait_s("w", 13, now=0.0, decode_step_s=0.01) == pytest.approx(0.52)
+    assert tracker.release_wait_s("w", 10_000, now=0.0, decode_step_s=0.01) == pytest.approx(0.52)
+    tracker.complete("a", now=0.42)
+    tracker.complete("b", now=0.52)
+    assert load.active_blocks == 0 and not load.active_keys
+
+
+def test_a_worker_whose_cache_is_full_of_running_requests_makes_new_ones_wait():
+    p = CostParams(prefill_s_per_token=1e-5, prefill_s_per_token_sq=0.0, prefill_step_s=0.0, learn_rate=0,
+                   decode_step_s=0.02)
+    core = RoutingCore(RoutingConfig(block_size=BS, cost=p, seed=0, speculative_ttl_s=0))
+    for w in ("busy", "free"):
+        core.upsert_endpoint(Endpoint(w, f"10.0.0.{len(core.endpoints)}:1"))
+        core.update_metrics(w, EngineMetrics(None, None, None, scraped_at=0.0, cache_tokens=16 * 300))
+    for i in range(4):  # four decoding requests hold 4 x 70 of the busy worker's 300 blocks
+        keys = request_keys(list(range(i * 10_000, i * 10_000 + 1088)), BS)  # 68 blocks + 2 tail
+        core.load.dispatch(f"run{i}", "busy", 1088, 0, 32, now=0.0, keys=keys, block_size=BS)
+        core.load.first_token(f"run{i}", now=0.1 * i)
+    prompt = list(range(100_000, 100_480))  # 30 blocks + 1 output block: 281 + 31 > 300
+    d = core.decide(request(prompt, max_tokens=16), now=0.5)
+    by = {c.worker_id: c for c in d.candidates}
+    # the first to finish (run0: 32 steps of 20 ms after 0.0) frees 70 blocks at 0.64
+    assert by["busy"].queue_s == pytest.approx(0.14) and by["free"].queue_s == 0
+    assert d.chosen == "free"
+    assert core.decide(request(prompt[:304], max_tokens=16), now=0.5).candidates[0].queue_s == 0  # 20 fit
 
 def test_learned_scale_follows_observed_ttft():
     core = core_with(1, speculative_ttl_s=0)

@@ -1,9 +1,11 @@
 """``kvrouter bench decide``: latency of one routing decision (precise policy), tokenization excluded.
 
 Index: each worker holds 16K blocks; worker j holds the first j/N of the query prompt, so the match walks
-the whole prompt. Load: every worker has requests in flight and fresh engine metrics, so the cost model
-runs its full path. Timed: ``RoutingCore.decide`` (filters, index match, speculative match, estimates,
-ranking, explain), on block keys computed beforehand (their cost is reported apart).
+the whole prompt. Load: every worker has requests in flight and fresh engine metrics, and reports a KV
+capacity its requests in flight nearly fill, so the cost model runs its full path (duplicate-copy eviction
+cost and a memory wait over every request in flight). Timed: ``RoutingCore.decide`` (filters, index match,
+speculative match, estimates, ranking, explain), on block keys computed beforehand (their cost is reported
+apart).
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ def _core(n_workers: int, keys: list[int], blocks_per_worker: int, rng: random.R
         core.index.store(wid, range(h, h + len(share) + len(filler)), share + filler, Medium.GPU)
         h += len(share) + len(filler)
         for r in range(3):
-            core.load.dispatch(f"{wid}-{r}", wid, 2000, 1000, 100, 0.0)
-        core.update_metrics(wid, EngineMetrics(1.0, 3.0, 0.5, scraped_at=0.0))
+            own = [rng.getrandbits(64) for _ in range(125)]  # 2,000 prompt tokens + 100 output: 132 blocks
+            core.load.dispatch(f"{wid}-{r}", wid, 2000, 1000, 100, 0.0, keys=own, block_size=BLOCK)
+        core.update_metrics(wid, EngineMetrics(1.0, 3.0, 0.5, scraped_at=0.0, cache_tokens=400 * BLOCK))
     return core
 
 

@@ -2,10 +2,16 @@
 
 Updated on dispatch, first token and completion. Prefill work not yet done (uncached prompt tokens of
 requests that have no first token yet) is what makes a new request wait; decodes in flight slow every step.
+KV blocks held by requests in flight are what a new request must fit beside: an engine whose cache is full
+of running requests admits nothing until some finish. Those are counted as the engine counts them: the
+distinct prompt blocks of the requests in flight (a shared prefix once; block keys are prefix-closed) plus
+each request's own partial block and output.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -18,6 +24,8 @@ class InFlight:
     dispatched_at: float
     predicted_ttft_s: float | None = None
     first_token_at: float | None = None
+    keys: Sequence[int] = ()  # the request's block keys: its full prompt blocks
+    tail_blocks: int = 0  # blocks for its partial last prompt block and its output
 
 
 @dataclass(slots=True)
@@ -28,6 +36,26 @@ class WorkerLoad:
     decoding: int = 0  # requests past their first token
     dispatched_total: int = 0
     last_dispatch_at: float | None = None
+    active_keys: dict[int, int] = field(default_factory=dict)  # prompt block key -> requests in flight using it
+    tail_blocks: int = 0
+    request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def active_blocks(self) -> int:
+        """KV blocks the requests in flight will hold at most (each at its last token)."""
+        return len(self.active_keys) + self.tail_blocks
+
+    def shared_prefix_blocks(self, keys: Sequence[int]) -> int:
+        """How many leading ``keys`` a request in flight already holds (binary search: keys are prefix-closed)."""
+        lo, hi = 0, len(keys)
+        active = self.active_keys
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if keys[mid - 1] in active:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
 
 @dataclass
@@ -42,12 +70,18 @@ class LoadTracker:
         return w
 
     def dispatch(self, request_id: str, worker_id: str, prompt_tokens: int, uncached_tokens: int,
-                 max_tokens: int, now: float, predicted_ttft_s: float | None = None) -> None:
+                 max_tokens: int, now: float, predicted_ttft_s: float | None = None, keys: Sequence[int] = (),
+                 block_size: int = 16) -> None:
         if request_id in self.inflight:
             self.complete(request_id, now)  # a retry on another worker replaces the first attempt
+        tail = math.ceil((prompt_tokens - len(keys) * block_size + max_tokens) / block_size)
         self.inflight[request_id] = InFlight(worker_id, prompt_tokens, uncached_tokens, max_tokens, now,
-                                             predicted_ttft_s)
+                                             predicted_ttft_s, None, keys, tail)
         w = self.load(worker_id)
+        for k in keys:
+            w.active_keys[k] = w.active_keys.get(k, 0) + 1
+        w.tail_blocks += tail
+        w.request_ids.add(request_id)
         w.requests += 1
         w.prompt_tokens += prompt_tokens
         w.pending_prefill_tokens += uncached_tokens
@@ -69,6 +103,14 @@ class LoadTracker:
         if r is None:
             return None
         w = self.load(r.worker_id)
+        for k in r.keys:
+            left = w.active_keys[k] - 1
+            if left:
+                w.active_keys[k] = left
+            else:
+                del w.active_keys[k]
+        w.tail_blocks -= r.tail_blocks
+        w.request_ids.discard(request_id)
         w.requests -= 1
         w.prompt_tokens -= r.prompt_tokens
         if r.first_token_at is None:
@@ -76,6 +118,43 @@ class LoadTracker:
         else:
             w.decoding -= 1
         return r
+
+    def release_wait_s(self, worker_id: str, blocks: int, now: float, decode_step_s: float) -> float:
+        """How long until requests in flight on the worker finish and free ``blocks`` KV blocks.
+
+        Each is expected to finish ``max_tokens`` decode steps after its first token (or after its predicted
+        one). Taken in that order, each frees its own tail and the prompt blocks no request still in flight
+        shares (a suffix of its keys: counts along a key chain never rise). If all of them finishing would
+        not free enough: the last one's finish.
+        """
+        w = self.workers.get(worker_id)
+        if w is None or not w.request_ids or blocks <= 0:
+            return 0.0
+        ends = []
+        for rid in w.request_ids:
+            r = self.inflight[rid]
+            start = r.first_token_at if r.first_token_at is not None else r.dispatched_at + (r.predicted_ttft_s or 0.0)
+            ends.append((max(0.0, start + r.max_tokens * decode_step_s - now), rid))
+        ends.sort()
+        gone: dict[int, int] = {}  # key -> requests holding it that are taken as finished
+        freed = 0
+        active = w.active_keys
+        for end, rid in ends:
+            r = self.inflight[rid]
+            for k in r.keys:
+                gone[k] = gone.get(k, 0) + 1
+            lo, hi = 0, len(r.keys)  # first key no request left in flight holds
+            while lo < hi:
+                mid = (lo + hi) // 2
+                k = r.keys[mid]
+                if active[k] - gone[k] == 0:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            freed += r.tail_blocks + len(r.keys) - lo
+            if freed >= blocks:
+                return end
+        return ends[-1][0]
 
     def forget_worker(self, worker_id: str) -> None:
         for rid in [rid for rid, r in self.inflight.items() if r.worker_id == worker_id]:

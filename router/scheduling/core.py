@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from router.events.feed import IndexFeeder
 from router.index import KvIndex, Medium, PrefixMatch
 from router.index.speculative import SpeculativePrefixes
-from router.load import EngineMetrics, LoadTracker
+from router.load import EngineMetrics, LoadTracker, WorkerLoad
 from router.scheduling.cost import CostModel, CostParams
 from router.scheduling.filters import FILTERS, SATURATED
 from router.scheduling.policies import POLICIES, Policy
@@ -108,6 +108,20 @@ class RoutingCore:
                 return "stale"
         return "synced"
 
+    def memory_wait_s(self, worker_id: str, req: RouteRequest, load: WorkerLoad | None, now: float) -> float:
+        """Until the requests in flight there free room for this request's KV blocks; 0 if they fit now."""
+        capacity = self.cache_tokens.get(worker_id)
+        if not capacity or load is None or not load.requests:
+            return 0.0
+        # its prompt blocks no request in flight holds, and its partial block and output: engines admit on
+        # what is free now, but a cache that cannot hold every request to its last token preempts (recompute)
+        tail = -(-(req.prompt_tokens - len(req.keys) * req.block_size + req.max_tokens) // req.block_size)
+        needed = len(req.keys) - load.shared_prefix_blocks(req.keys) + tail
+        over = load.active_blocks + needed - capacity // req.block_size
+        if over <= 0:
+            return 0.0
+        return self.load.release_wait_s(worker_id, over, now, self.cost.params.decode_step_s)
+
     # ---- deciding ----------------------------------------------------------------------------
     def decide(self, req: RouteRequest, now: float) -> Decision:
         self._now = now
@@ -157,7 +171,8 @@ class RoutingCore:
             duplicate = (best_held - r.matched_gpu - r.matched_cpu - r.matched_storage) * req.block_size
             est = self.cost.estimate(r.worker_id, req.prompt_tokens, req.block_size, held[r.worker_id], load,
                                      self.fresh_metrics(r.worker_id), duplicate,
-                                     self.fullness(r.worker_id) if duplicate else 0.0)
+                                     self.fullness(r.worker_id) if duplicate else 0.0,
+                                     self.memory_wait_s(r.worker_id, req, load, now))
             r.queue_s, r.prefill_s, r.decode_s, r.ttft_s = est.queue_s, est.prefill_s, est.decode_s, est.ttft_s
             r.interference_s, r.eviction_s = est.interference_s, est.eviction_s
             r.score = est.score
@@ -186,7 +201,8 @@ class RoutingCore:
             predicted = report.ttft_s
         else:
             uncached, predicted = decision.uncached_tokens, decision.predicted_ttft_s
-        self.load.dispatch(req.request_id, worker_id, req.prompt_tokens, uncached, req.max_tokens, now, predicted)
+        self.load.dispatch(req.request_id, worker_id, req.prompt_tokens, uncached, req.max_tokens, now, predicted,
+                           req.keys, req.block_size)
         self._awaiting_events_since.setdefault(worker_id, now)
         if req.keys:
             self.speculative.record(worker_id, req.keys, now)

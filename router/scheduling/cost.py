@@ -9,7 +9,9 @@
 - prefill: the same quadratic-in-tokens shape as the engine (attention is quadratic), default calibrated to
   the engine model's timing (Dynamo's mocker fit);
 - GPU hits are free; CPU-tier hits cost a load-back per token, storage hits more;
-- running decodes share every step: a small per-request term.
+- running decodes share every step: a small per-request term;
+- memory: when the KV blocks this request needs do not fit beside those the requests in flight hold, the
+  engine admits it only as some finish (``memory_wait_s``, from the router's accounting: ``LoadTracker``).
 A per-worker exponentially weighted factor learns how far observed TTFTs sit from these estimates.
 
 The score adds what this request costs the others: its prefill stalls every decode running on that worker
@@ -42,6 +44,7 @@ class CostParams:
     load_back_s_per_token: float = 1e-6  # CPU tier -> GPU
     storage_s_per_token: float = 5e-6  # storage tier -> GPU
     decode_s_per_running: float = 2e-4
+    decode_step_s: float = 0.03  # a decode step of a busy engine: how fast requests in flight finish
     interference_weight: float = 0.05
     compute_weight: float = 1.0
     eviction_weight: float = 3.0
@@ -98,9 +101,10 @@ class CostModel:
 
     def estimate(self, worker_id: str, prompt_tokens: int, block_size: int, match: PrefixMatch | None,
                  load: WorkerLoad | None, metrics: EngineMetrics | None, duplicate_tokens: int = 0,
-                 fullness: float = 0.0) -> Estimate:
+                 fullness: float = 0.0, memory_wait_s: float = 0.0) -> Estimate:
         """``duplicate_tokens``: of this prompt, what another candidate already caches and this one would
-        prefill again; ``fullness``: this worker's resident cache over its capacity (0 when unknown)."""
+        prefill again; ``fullness``: this worker's resident cache over its capacity (0 when unknown);
+        ``memory_wait_s``: until requests in flight free room for this one's blocks (0 when it fits)."""
         p = self.params
         gpu = cpu = storage = 0
         if match is not None:
@@ -122,8 +126,8 @@ class CostModel:
         decode = running * p.decode_s_per_running
         k = self.scale.get(worker_id, 1.0)
         eviction = self.prefill_s(min(duplicate_tokens, uncached)) * min(max(fullness, 0.0), 1.0)
-        return Estimate(queue * k, prefill * k, decode * k, uncached, running * prefill * k, p.interference_weight,
-                        p.compute_weight, eviction * k, p.eviction_weight)
+        return Estimate(queue * k + memory_wait_s, prefill * k, decode * k, uncached, running * prefill * k,
+                        p.interference_weight, p.compute_weight, eviction * k, p.eviction_weight)
 
     def observe(self, worker_id: str, predicted_s: float | None, observed_s: float) -> None:
         """Fold one observed TTFT into the worker's correction factor.
