@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
         bp = bsub.add_parser(name, help=help_text)
         bp.add_argument("--json", action="store_true", help="print JSON with stable keys")
         bp.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
+        if name == "quality":
+            bp.add_argument("--seeds", type=int, default=None,
+                            help="workload seeds, every policy on each (default 8; 2 with --quick)")
         bp.set_defaults(handler=_bench)
     return parser
 

@@ -266,6 +266,7 @@ def main(args: argparse.Namespace) -> int:
     print(table(runs))
     path = chart(runs, Path(args.chart))
     print(f"\nchart: {path}   total {time.monotonic() - started:.0f} s")
+    print("one workload, so a few points of hit rate are run-to-run noise; `kvrouter bench quality` pools 8 seeds")
     if args.json:
         Path(args.json).write_text(json.dumps({r.policy: r.summary() for r in runs}, indent=2))
     return 0 if all(not r.errors for r in runs) else 1

@@ -9,8 +9,8 @@ import time
 
 from router.scheduling import POLICIES
 from sim.report import Progress, plots, stable_json, table
-from sim.runner import SimConfig, Simulation, summarise
-from sim.workload import WORKLOADS, infinite_cache_bound, mooncake, repeat_trace
+from sim.runner import SimConfig, Simulation, pooled, summarise
+from sim.workload import WORKLOADS, SimRequest, infinite_cache_bound, mooncake, repeat_trace
 from workers.engine import EngineConfig, TimingModel
 
 DEFAULT_POLICIES = "random,round_robin,least_loaded,session_hash,approx_prefix,precise"
@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="overlay N copies of the trace with distinct users (N x requests and rate), for scale runs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=1,
+                   help="run seeds SEED..SEED+N-1 (new arrivals, or new jitter for a trace) and pool their requests")
     p.add_argument("--block-size", type=int, default=None,
                    help="engine KV block size in tokens (default: 512 for a trace, whose own blocks are 512 "
                         "tokens, so finer blocks cannot hit more; 16 for synthetic workloads)")
@@ -46,39 +48,34 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"kvrouter sim: unknown policies {unknown}; choose from {sorted(POLICIES)}", file=sys.stderr)
         return 2
-    if args.trace:
-        requests = repeat_trace(mooncake(args.trace, limit=args.limit, speedup=args.speedup, jitter_s=args.jitter,
-                                         seed=args.seed), args.repeat)
-        source = args.trace
-    else:
-        kw = {"seed": args.seed} | ({"rate": args.rate} if args.rate else {})
-        requests = WORKLOADS[args.workload](**kw)
-        if args.speedup != 1.0:
-            for r in requests:
-                r.arrival /= args.speedup
-        source = args.workload
-    timing = TimingModel.from_file(args.timing) if args.timing else TimingModel()
     if args.block_size is None:
         args.block_size = 512 if args.trace else 16
     if args.gpu_blocks is None:
         args.gpu_blocks = args.kv_tokens // args.block_size
+    timing = TimingModel.from_file(args.timing) if args.timing else TimingModel()
     engine = EngineConfig(num_gpu_blocks=args.gpu_blocks, block_size=args.block_size, cpu_blocks=args.cpu_blocks,
                           timing=timing)
-    bound = infinite_cache_bound(requests, args.block_size)
+    source = args.trace or args.workload
+    workloads = [_workload(args, seed) for seed in range(args.seed, args.seed + max(1, args.seeds))]
+    requests = [r for w in workloads for r in w]
+    bound = sum(infinite_cache_bound(w, args.block_size) * _prompt_tokens(w) for w in workloads) / max(
+        1, _prompt_tokens(requests))
     results, summaries = {}, {}
     started = time.perf_counter()
     for name in policies:
-        sim = Simulation(requests, SimConfig(workers=args.workers, policy=name, engine=engine, seed=args.seed))
-        res = sim.run(Progress(name, enabled=None if not args.json else False))
-        results[name] = res
-        summaries[name] = summarise(res)
+        runs = [Simulation(w, SimConfig(workers=args.workers, policy=name, engine=engine, seed=seed)).run(
+                    Progress(name, enabled=False if args.json or len(workloads) > 1 else None))
+                for seed, w in zip(range(args.seed, args.seed + len(workloads)), workloads, strict=True)]
+        results[name] = runs[0] if len(runs) == 1 else pooled(runs)
+        summaries[name] = summarise(results[name])
     extra = {"source": source, "requests": len(requests), "workers": args.workers, "speedup": args.speedup,
-             "block_size": args.block_size, "gpu_blocks": args.gpu_blocks, "seed": args.seed,
+             "block_size": args.block_size, "gpu_blocks": args.gpu_blocks, "seed": args.seed, "seeds": len(workloads),
              "wall_s": round(time.perf_counter() - started, 2)}
     if args.json:
         print(json.dumps(stable_json(summaries, bound, extra), indent=2, sort_keys=True))
     else:
-        print(f"{source}: {len(requests)} requests, {args.workers} workers, speedup {args.speedup}, "
+        seeds = f" ({len(workloads)} seeds pooled)" if len(workloads) > 1 else ""
+        print(f"{source}: {len(requests)} requests{seeds}, {args.workers} workers, speedup {args.speedup}, "
               f"block {args.block_size}, {args.gpu_blocks} blocks/worker")
         print(table(summaries, bound))
         print(f"total wall time {extra['wall_s']:.1f} s")
@@ -86,3 +83,19 @@ def run(args: argparse.Namespace) -> int:
         for path in plots(results, args.plots):
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _workload(args: argparse.Namespace, seed: int) -> list[SimRequest]:
+    if args.trace:
+        return repeat_trace(mooncake(args.trace, limit=args.limit, speedup=args.speedup, jitter_s=args.jitter,
+                                     seed=seed), args.repeat)
+    kw = {"seed": seed} | ({"rate": args.rate} if args.rate else {})
+    requests = WORKLOADS[args.workload](**kw)
+    if args.speedup != 1.0:
+        for r in requests:
+            r.arrival /= args.speedup
+    return requests
+
+
+def _prompt_tokens(requests: list[SimRequest]) -> int:
+    return sum(r.num_tokens for r in requests)

@@ -211,6 +211,17 @@ class Simulation:
             feeder.fill_gap(gap, replayed, batch, now)
 
 
+def pooled(results: Sequence[SimResult]) -> SimResult:
+    """Several runs of one policy (different seeds) as one: their requests together, their times added."""
+    per_worker: dict[str, int] = {}
+    for r in results:
+        for w, n in r.per_worker_prompt_tokens.items():
+            per_worker[w] = per_worker.get(w, 0) + n
+    return SimResult(results[0].policy, [rec for r in results for rec in r.records],
+                     sum(r.makespan_s for r in results), per_worker, results[0].timeline,
+                     sum(r.decisions for r in results), sum(r.wall_s for r in results))
+
+
 def summarise(result: SimResult) -> dict[str, float]:
     recs = result.records
     routed = [r for r in recs if r.outcome == "routed" and r.first_token_at is not None]

@@ -146,7 +146,13 @@ def multi_turn(conversations: int = 200, turns: int = 5, system_tokens: int = 10
     return out
 
 
-WORKLOADS = {"shared_prefix": shared_prefix, "multi_turn": multi_turn}
+def demo_shape(rate: float = 16.0, seed: int = 0) -> list[SimRequest]:
+    """``kvrouter demo``'s workload: 24 groups x 6, ~1,880-token system prompts, 64-token questions, 48 output
+    tokens, 16/s (the demo's fleet: ``--workers 3 --gpu-blocks 1024``)."""
+    return shared_prefix(24, 6, 1880, 64, 48, rate, seed)
+
+
+WORKLOADS = {"shared_prefix": shared_prefix, "multi_turn": multi_turn, "demo": demo_shape}
 
 
 def infinite_cache_bound(requests: list[SimRequest], block: int) -> float:

@@ -27,3 +27,21 @@ def test_demo_runs_and_reports_every_policy(tmp_path):
     for s in data.values():
         assert s["errors"] == 0 and s["requests"] == 18 and 0 <= s["hit_rate"] <= 1
     assert data["precise"]["hit_rate"] > 0  # the workers reported cached tokens for routed prefixes
+
+
+def test_quality_bench_pools_every_policy_over_seeds():
+    out = subprocess.run([sys.executable, "-m", "router.cli", "bench", "quality", "--seeds", "1", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    res = json.loads(out.stdout)
+    assert res["seeds"] == 1 and res["requests_per_seed"] == 144
+    pol = res["policies"]
+    assert set(pol) == {"round_robin", "approx_prefix", "precise", "smg"}
+    for name in ("round_robin", "approx_prefix", "precise"):
+        assert pol[name]["requests"] == 144 and pol[name]["errors"] == 0 and len(pol[name]["per_seed"]) == 1
+    assert "skipped" in pol["smg"] or pol["smg"]["requests"] == 144  # the peer runs where it is installed
+    # cache-aware routing keeps shared prefixes where they are cached; round robin scatters them
+    assert pol["precise"]["hit_rate"] > 2 * pol["round_robin"]["hit_rate"]
+    assert pol["round_robin"]["precise_higher_hit_rate_seeds"] == 1

@@ -100,7 +100,7 @@ def table(res: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    seeds = 2 if args.quick else 8
+    seeds = args.seeds or (2 if args.quick else 8)
     res = run(seeds, progress=not args.json)
     if args.json:
         print(json.dumps(res, indent=2, sort_keys=True))

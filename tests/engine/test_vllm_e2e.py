@@ -13,7 +13,7 @@ from router.discovery import WorkerSpec, parse_worker_arg
 from router.frontends.proxy import ProxyServer
 from router.keys import request_keys
 from router.tokenizer import load_tokenizer
-from tests.engine.conftest import BLOCK
+from tests.engine.conftest import BLOCK, GPU_BLOCKS
 from tests.envoy_helpers import gateway
 from tests.zmq_helpers import wait_until
 
@@ -85,6 +85,9 @@ async def test_index_matches_what_each_engine_really_caches(engines):
             assert st == 200
         await settle(server)
         assert sum(f.events["BlockRemoved"] for f in server.core.feeder.feeds.values()) > 0
+        for e in engines:  # capacity from vllm:cache_config_info; the index's resident count fills it
+            assert server.core.cache_tokens[e.name] == GPU_BLOCKS * BLOCK
+            assert 0 < server.core.fullness(e.name) <= 1
         checked = 0
         for i in reversed(range(12)):  # newest first: those are still resident somewhere
             ids = tok.encode(prompt(i))
