@@ -96,8 +96,8 @@ def test_a_second_copy_into_a_full_cache_pays_for_what_it_pushes_out():
     d = core.decide(request(prompt, "a"), now=0.1)
     by = {c.worker_id: c for c in d.candidates}
     assert d.chosen == "idle" and by["idle"].eviction_s == 0  # capacity unknown: no eviction cost
-    # both caches reported full (500 blocks resident on 8,000-token caches): a second copy evicts a prefix
-    # worth its prefill again, so it now costs 3 x 0.16 s > 0.4 s of queue
+    # both caches reported full (500 blocks resident on 8,000-token caches): the copy pushes out 1,601 cached
+    # tokens, and its 1,600 duplicated ones are a prefix the fleet no longer has room for: 0.32 s more
     feed_prefix(core, "holder", list(range(200_000, 206_400)), now=0.0, seq=1)
     feed_prefix(core, "idle", list(range(50_000, 58_000)), now=0.0)
     for w in ("holder", "idle"):
@@ -105,12 +105,30 @@ def test_a_second_copy_into_a_full_cache_pays_for_what_it_pushes_out():
     assert core.fullness("idle") == 1.0
     d = core.decide(request(prompt, "b"), now=0.1)
     by = {c.worker_id: c for c in d.candidates}
-    assert by["idle"].eviction_s == pytest.approx(0.16) and by["holder"].eviction_s == 0
+    assert by["idle"].eviction_s == pytest.approx(0.1601 + 0.16)
+    assert by["holder"].eviction_s == pytest.approx(1e-4)  # its one uncached token
     assert d.chosen == "holder"
-    # a prefix nobody holds pays no eviction cost anywhere: it must be stored somewhere
-    cold = core.decide(request(list(range(90_000, 91_601)), "c"), now=0.1)
-    assert all(c.eviction_s == 0 for c in cold.candidates)
 
+
+def test_a_new_prefix_goes_where_it_evicts_nothing():
+    p = CostParams(prefill_s_per_token=1e-4, prefill_s_per_token_sq=0.0, prefill_step_s=0.0, learn_rate=0,
+                   eviction_weight=1.0)
+    core = core_with(2, cost=p, speculative_ttl_s=0)
+    feed_prefix(core, "w0", list(range(8000)), now=0.0)  # full
+    feed_prefix(core, "w1", list(range(10_000, 14_000)), now=0.0)  # half full: room for 4,000 tokens
+    for w in ("w0", "w1"):
+        core.update_metrics(w, EngineMetrics(None, None, None, scraped_at=0.0, cache_tokens=8000))
+    picks = Counter()
+    for i in range(20):
+        d = core.decide(request(list(range(100_000 * (i + 1), 100_000 * (i + 1) + 1601)), f"n{i}"), now=0.1)
+        by = {c.worker_id: c for c in d.candidates}
+        assert by["w0"].eviction_s == pytest.approx(0.1601) and by["w1"].eviction_s == 0
+        picks[d.chosen] += 1
+    assert picks == {"w1": 20}
+    # once both are full, storing it costs the same everywhere: load decides, the pushed-out price does not
+    feed_prefix(core, "w1", list(range(20_000, 24_000)), now=0.0, seq=1)
+    d = core.decide(request(list(range(900_000, 901_601)), "full"), now=0.1)
+    assert {c.worker_id: round(c.eviction_s, 6) for c in d.candidates} == {"w0": 0.1601, "w1": 0.1601}
 
 
 def test_kv_blocks_in_flight_count_a_shared_prefix_once_and_free_in_finish_order():

@@ -77,12 +77,14 @@ class RoutingCore:
         if metrics.cache_tokens:
             self.cache_tokens[worker_id] = metrics.cache_tokens
 
+    def resident_tokens(self, worker_id: str) -> int:
+        """What the worker's GPU cache holds, by the index."""
+        return self.index.blocks_held(worker_id)[Medium.GPU] * self.config.block_size
+
     def fullness(self, worker_id: str) -> float:
-        """Resident GPU blocks (by the index) over the worker's cache capacity; 0 when capacity is unknown."""
+        """Resident tokens over the worker's cache capacity; 0 when capacity is unknown."""
         capacity = self.cache_tokens.get(worker_id)
-        if not capacity:
-            return 0.0
-        return min(1.0, self.index.blocks_held(worker_id)[Medium.GPU] * self.config.block_size / capacity)
+        return min(1.0, self.resident_tokens(worker_id) / capacity) if capacity else 0.0
 
     def fresh_metrics(self, worker_id: str) -> EngineMetrics | None:
         m = self.metrics.get(worker_id)
@@ -169,9 +171,10 @@ class RoutingCore:
             load = self.load.workers.get(r.worker_id)
             r.inflight = load.requests if load else 0
             duplicate = (best_held - r.matched_gpu - r.matched_cpu - r.matched_storage) * req.block_size
+            capacity = self.cache_tokens.get(r.worker_id)
             est = self.cost.estimate(r.worker_id, req.prompt_tokens, req.block_size, held[r.worker_id], load,
                                      self.fresh_metrics(r.worker_id), duplicate,
-                                     self.fullness(r.worker_id) if duplicate else 0.0,
+                                     self.resident_tokens(r.worker_id) if capacity else 0, capacity,
                                      self.memory_wait_s(r.worker_id, req, load, now))
             r.queue_s, r.prefill_s, r.decode_s, r.ttft_s = est.queue_s, est.prefill_s, est.decode_s, est.ttft_s
             r.interference_s, r.eviction_s = est.interference_s, est.eviction_s

@@ -18,10 +18,11 @@ The score adds what this request costs the others: its prefill stalls every deco
 for the prefill's length (``interference_s = running * prefill``), weighted by ``interference_weight``; and
 the prefill compute itself, weighted by ``compute_weight``: two cold copies of one prefix finish no sooner
 than one copy and a cache hit, but burn twice the GPU time (a burst of one new prefix stays together);
-and, weighted by ``eviction_weight``, the cache space a second copy takes: prefilling on one worker a prefix
-another worker already holds pushes out that many tokens of other prefixes once the cache is full (scaled by
-how full it is), and the fleet pays their prefill again later. A first copy is not charged: a new prefix
-must be stored somewhere, and charging it would only steer new prefixes by fullness (measured: worse p99).
+and, weighted by ``eviction_weight``, the cached tokens it pushes out, at their prefill price (the fleet pays
+it again when they are asked for): the new tokens beyond the worker's free room (capacity minus what the
+index says it holds: while caches fill, new prefixes go where they evict nothing and stay spread evenly
+instead of thrashing one cache), plus, for a second copy of a prefix another worker holds, that copy scaled
+by how full this cache is (a full fleet holds one prefix fewer for every duplicate).
 Minimising TTFT alone piles conversations onto their holders and stretches everyone's end-to-end latency;
 the interference term keeps cheap (cached) prefills on the holder and sends expensive cold ones where
 fewer decodes would wait for them.
@@ -47,7 +48,7 @@ class CostParams:
     decode_step_s: float = 0.03  # a decode step of a busy engine: how fast requests in flight finish
     interference_weight: float = 0.05
     compute_weight: float = 1.0
-    eviction_weight: float = 3.0
+    eviction_weight: float = 5.0
     waiting_prompt_tokens: int = 2048  # assumed size of each engine-reported waiting request
     learn_rate: float = 0.1  # EWMA weight of each observed TTFT (0 disables learning)
     learn_min_predicted_s: float = 0.1  # learn only from TTFTs the model says are this long or longer
@@ -72,8 +73,8 @@ class Estimate:
     interference_s: float = 0.0  # decode time this prefill takes from requests already running there
     interference_weight: float = 0.0
     compute_weight: float = 0.0
-    eviction_s: float = 0.0  # prefill value of the cached tokens a duplicate copy would push out
-    eviction_weight: float = 3.0
+    eviction_s: float = 0.0  # prefill value of the cached tokens this request would push out
+    eviction_weight: float = 0.0
 
     @property
     def ttft_s(self) -> float:
@@ -101,10 +102,12 @@ class CostModel:
 
     def estimate(self, worker_id: str, prompt_tokens: int, block_size: int, match: PrefixMatch | None,
                  load: WorkerLoad | None, metrics: EngineMetrics | None, duplicate_tokens: int = 0,
-                 fullness: float = 0.0, memory_wait_s: float = 0.0) -> Estimate:
+                 resident_tokens: int = 0, capacity_tokens: int | None = None,
+                 memory_wait_s: float = 0.0) -> Estimate:
         """``duplicate_tokens``: of this prompt, what another candidate already caches and this one would
-        prefill again; ``fullness``: this worker's resident cache over its capacity (0 when unknown);
-        ``memory_wait_s``: until requests in flight free room for this one's blocks (0 when it fits)."""
+        prefill again; ``resident_tokens`` / ``capacity_tokens``: what this worker's cache holds (by the
+        index) and can hold (None: unknown, no eviction cost); ``memory_wait_s``: until requests in flight
+        free room for this one's blocks (0 when it fits)."""
         p = self.params
         gpu = cpu = storage = 0
         if match is not None:
@@ -125,7 +128,11 @@ class CostModel:
             running = max(running, int(metrics.running))  # running includes ours: the larger count wins
         decode = running * p.decode_s_per_running
         k = self.scale.get(worker_id, 1.0)
-        eviction = self.prefill_s(min(duplicate_tokens, uncached)) * min(max(fullness, 0.0), 1.0)
+        eviction = 0.0
+        if capacity_tokens:
+            overflow = uncached - max(0, capacity_tokens - resident_tokens)
+            fullness = min(1.0, resident_tokens / capacity_tokens)
+            eviction = self.prefill_s(overflow) + fullness * self.prefill_s(min(duplicate_tokens, uncached))
         return Estimate(queue * k + memory_wait_s, prefill * k, decode * k, uncached, running * prefill * k,
                         p.interference_weight, p.compute_weight, eviction * k, p.eviction_weight)
 
