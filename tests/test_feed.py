@@ -6,7 +6,7 @@ import sys
 
 from router.events.codec import AllBlocksCleared, BlockStored, EventBatch
 from router.events.feed import Gap, IndexFeeder
-from router.index import KvIndex
+from router.index import KvIndex, Medium
 
 
 def stored(h: int, tokens: list[int], parent=None) -> EventBatch:
@@ -101,3 +101,22 @@ def test_replayed_batches_before_a_clear_are_skipped_and_the_result_is_the_same(
     slow.offer("w", 6, stored(300, [7, 7]), now=0.0)
     assert fast.index.engine_hashes("w") == slow.index.engine_hashes("w")
     assert fast.feeds["w"].superseded_batches == 3 and fast.feeds["w"].synced
+
+
+def test_a_replay_that_reaches_back_to_a_clear_is_exact_without_seq_zero():
+    """A long-lived engine's replay buffer no longer holds seq 0, but holds its last cache reset."""
+    batches = {seq: stored(100 + seq, [seq, seq]) for seq in range(20, 26)}
+    batches[22] = EventBatch(0.0, [AllBlocksCleared(), *stored(200, [9, 9]).events], 0)
+    feeder = IndexFeeder(KvIndex(), block_size=2)
+    gap = feeder.offer("w", 26, stored(300, [7, 7]), now=0.0)  # first contact: ask for 0..25
+    assert feeder.fill_gap(gap, list(batches.items()), stored(300, [7, 7]), now=0.0)
+    f = feeder.feeds["w"]
+    assert f.synced and f.superseded_batches == 2 and f.last_seq == 26
+    assert feeder.index.engine_hashes("w")[Medium.GPU] == {200, 123, 124, 125, 300}
+    # the same buffer without the reset cannot say what the engine held before seq 20: unsynced, cleared
+    del batches[22]
+    batches[22] = stored(122, [22, 22])
+    other = IndexFeeder(KvIndex(), block_size=2)
+    gap = other.offer("w", 26, stored(300, [7, 7]), now=0.0)
+    assert not other.fill_gap(gap, list(batches.items()), stored(300, [7, 7]), now=0.0)
+    assert not other.feeds["w"].synced and other.index.engine_hashes("w")[Medium.GPU] == {300}

@@ -98,29 +98,28 @@ class IndexFeeder:
         """Apply replayed batches covering ``gap`` then the held one; clear the worker if they do not.
 
         Batches before the last ``AllBlocksCleared`` in the range are skipped (``superseded``): the clear
-        wipes whatever they did. A router meeting a long-lived engine replays up to its whole buffer
-        (vLLM keeps 10,000 batches); this keeps that from stalling decisions when a reset lies in between.
+        wipes whatever they did. For the same reason a replay that does not reach back to the start of the
+        gap still fills it if it reaches back to a clear: a router meeting a long-lived engine whose buffer
+        (vLLM keeps 10,000 batches) no longer holds seq 0 is exact from its last cache reset on.
         """
         f = self.feed(gap.worker_id)
-        covering: list[tuple[int, EventBatch]] = []
-        want = gap.first_missing
-        for seq, batch in sorted(replayed, key=lambda sb: sb[0]):
-            if seq < want:
-                continue  # already applied
-            if seq != want or seq >= gap.next_seq:
-                break
-            covering.append((seq, batch))
-            want += 1
-        filled = want == gap.next_seq
+        by_seq = {seq: batch for seq, batch in replayed if gap.first_missing <= seq < gap.next_seq}
+        run: list[tuple[int, EventBatch]] = []  # the contiguous replayed run that ends where the held batch begins
+        seq = gap.next_seq - 1
+        while seq in by_seq:
+            run.append((seq, by_seq[seq]))
+            seq -= 1
+        run.reverse()
+        clears = [i for i, (_, batch) in enumerate(run) if any(isinstance(e, AllBlocksCleared) for e in batch.events)]
+        filled = seq < gap.first_missing or bool(clears)
         if filled:
-            start = next((i for i in range(len(covering) - 1, -1, -1)
-                          if any(isinstance(e, AllBlocksCleared) for e in covering[i][1].events)), 0)
+            start = clears[-1] if clears else 0
             f.superseded_batches += start
-            for seq, batch in covering[start:]:
+            for seq, batch in run[start:]:
                 self._apply(f, seq, batch, now)
             f.gaps_filled += 1
             if gap.first_missing == 0:
-                f.synced = True  # replayed from the engine's very first batch
+                f.synced = True  # replayed from the engine's first batch, or from a reset: exact either way
         else:  # a partial range is no better than nothing: whatever it did, the clear below undoes
             self.index.clear_worker(gap.worker_id)
             self._mark_unsynced(f, now)
