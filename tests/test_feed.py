@@ -120,3 +120,18 @@ def test_a_replay_that_reaches_back_to_a_clear_is_exact_without_seq_zero():
     gap = other.offer("w", 26, stored(300, [7, 7]), now=0.0)
     assert not other.fill_gap(gap, list(batches.items()), stored(300, [7, 7]), now=0.0)
     assert not other.feeds["w"].synced and other.index.engine_hashes("w")[Medium.GPU] == {300}
+
+
+def test_connect_time_replay_skips_duplicates_but_still_sees_a_restart():
+    feeder = IndexFeeder(KvIndex(), block_size=2)
+    history = [(seq, EventBatch(float(seq), stored(10 + seq, [seq, seq]).events, 0)) for seq in range(5)]
+    assert feeder.bootstrap("w", history, now=0.0)
+    f = feeder.feeds["w"]
+    assert f.synced and f.last_seq == 4 and len(feeder.index.engine_hashes("w")[Medium.GPU]) == 5
+    assert feeder.offer("w", 4, history[4][1], now=0.1) is None and f.duplicates == 1 and f.resets == 0
+    # the engine restarted meanwhile: seq 0 again, but a batch it never sent before
+    assert feeder.offer("w", 0, EventBatch(9.0, stored(99, [1, 1]).events, 0), now=0.2) is None
+    assert f.resets == 1 and feeder.index.engine_hashes("w")[Medium.GPU] == {99}
+    # a buffer that neither starts at seq 0 nor holds a reset says nothing exact: left to the live path
+    other = IndexFeeder(KvIndex(), block_size=2)
+    assert not other.bootstrap("w", history[2:], now=0.0) and other.feeds["w"].last_seq is None

@@ -49,6 +49,7 @@ async def run_stream(ctx, drop: set[int], replay: bool, batches: list[EventBatch
     sub = KvEventSubscriber(feeder, ctx=ctx, replay_timeout_s=2.0)
     sub.add_source(EventSource("w", pub.endpoint, pub.replay_endpoint))
     await pub.wait_subscribed()
+    await wait_until(lambda: "w" in sub.ready)  # connect-time replay read (nothing yet) before the stream
     for i, b in enumerate(batches):
         await pub.publish(b, send=i not in drop)
     last = len(batches) - 1
@@ -89,6 +90,7 @@ async def test_seq_reset_means_engine_restart_and_clears(ctx):
     sub = KvEventSubscriber(feeder, ctx=ctx)
     sub.add_source(EventSource("w", pub.endpoint, pub.replay_endpoint))
     await pub.wait_subscribed()
+    await wait_until(lambda: "w" in sub.ready)
     for b in workload(5, seed=1):
         await pub.publish(b)
     await wait_until(lambda: feeder.feeds.get("w") is not None and feeder.feeds["w"].last_seq == 4)
@@ -149,3 +151,27 @@ async def test_bind_topology_names_workers_by_topic(ctx):
     await sub.stop()
     for p in pubs:
         await p.close()
+
+
+async def test_a_long_lived_engine_is_known_at_connect_before_any_live_batch(ctx):
+    """The router meets an engine mid-life: its replay buffer is read at connect, not when traffic starts."""
+    batches = workload(30, seed=4)
+    clean = await run_stream(ctx, set(), True, batches)
+    pub = TestPublisher(ctx)
+    for b in batches[:25]:  # published before the router exists: only the replay buffer has them
+        await pub.publish(b, send=False)
+    feeder = IndexFeeder(KvIndex(), block_size=BLOCK, resync_after_s=3600)
+    sub = KvEventSubscriber(feeder, ctx=ctx, replay_timeout_s=2.0)
+    sub.add_source(EventSource("w", pub.endpoint, pub.replay_endpoint))
+    await wait_until(lambda: "w" in sub.ready)
+    f = feeder.feeds["w"]
+    assert f.synced and f.last_seq == 24 and f.gaps == 0  # known before a single live batch
+    await pub.wait_subscribed()
+    await pub.send_raw(pub.buffer[24][1])  # seq 24 also arriving live (published during the replay): skipped
+    for b in batches[25:]:
+        await pub.publish(b)
+    await wait_until(lambda: f.last_seq == 29)
+    assert f.gaps == 0 and f.resets == 0 and f.duplicates == 1
+    assert feeder.index.resident_keys("w") == clean.index.resident_keys("w")
+    await sub.stop()
+    await pub.close()

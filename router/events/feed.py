@@ -53,6 +53,8 @@ class WorkerFeed:
     unknown_removals: int = 0
     block_size_mismatch: int = 0
     superseded_batches: int = 0  # replayed batches skipped because a later AllBlocksCleared undid them
+    duplicates: int = 0  # live batches already applied from the connect-time replay
+    bootstrap_ts: dict[int, float] = field(default_factory=dict)  # seq -> batch time, of the connect-time replay
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +83,11 @@ class IndexFeeder:
     def offer(self, worker_id: str, seq: int, batch: EventBatch, now: float) -> Gap | None:
         """Apply a live batch if it is next in order; otherwise say which range is missing."""
         f = self.feed(worker_id)
+        if f.bootstrap_ts:
+            if f.bootstrap_ts.get(seq) == batch.ts:  # published while the connect-time replay was read
+                f.duplicates += 1
+                return None
+            f.bootstrap_ts = {}  # past the overlap (a restarted engine's seq 0 has another timestamp)
         if f.last_seq is not None and seq <= f.last_seq:
             self._reset(f)
         expected = 0 if f.last_seq is None else f.last_seq + 1
@@ -103,19 +110,12 @@ class IndexFeeder:
         (vLLM keeps 10,000 batches) no longer holds seq 0 is exact from its last cache reset on.
         """
         f = self.feed(gap.worker_id)
-        by_seq = {seq: batch for seq, batch in replayed if gap.first_missing <= seq < gap.next_seq}
-        run: list[tuple[int, EventBatch]] = []  # the contiguous replayed run that ends where the held batch begins
-        seq = gap.next_seq - 1
-        while seq in by_seq:
-            run.append((seq, by_seq[seq]))
-            seq -= 1
-        run.reverse()
-        clears = [i for i, (_, batch) in enumerate(run) if any(isinstance(e, AllBlocksCleared) for e in batch.events)]
-        filled = seq < gap.first_missing or bool(clears)
-        if filled:
-            start = clears[-1] if clears else 0
-            f.superseded_batches += start
-            for seq, batch in run[start:]:
+        exact = _exact_tail({seq: b for seq, b in replayed}, gap.first_missing, gap.next_seq)
+        filled = exact is not None
+        if exact is not None:
+            batches, superseded = exact
+            f.superseded_batches += superseded
+            for seq, batch in batches:
                 self._apply(f, seq, batch, now)
             f.gaps_filled += 1
             if gap.first_missing == 0:
@@ -125,6 +125,26 @@ class IndexFeeder:
             self._mark_unsynced(f, now)
         self._apply(f, gap.next_seq, held, now)
         return filled
+
+    def bootstrap(self, worker_id: str, replayed: Iterable[tuple[int, EventBatch]], now: float) -> bool:
+        """Before any live batch: apply an engine's whole replay buffer, read at connect time, if it makes the
+        index exact (it starts at seq 0 or holds a cache reset). A router meeting long-lived engines then knows
+        their caches before traffic arrives, instead of replaying up to 10,000 batches mid-request."""
+        f = self.feed(worker_id)
+        by_seq = {seq: b for seq, b in replayed}
+        if f.last_seq is not None or not by_seq:
+            return False
+        last = max(by_seq)
+        exact = _exact_tail(by_seq, 0, last + 1)
+        if exact is None:
+            return False
+        batches, superseded = exact
+        f.superseded_batches += superseded
+        for seq, batch in batches:
+            self._apply(f, seq, batch, now)
+        f.synced = True
+        f.bootstrap_ts = {seq: b.ts for seq, b in by_seq.items()}
+        return True
 
     def _reset(self, f: WorkerFeed) -> None:
         self.index.clear_worker(f.worker_id)
@@ -201,3 +221,21 @@ class IndexFeeder:
         else:
             state = "synced"
         return WorkerStatus(worker_id, state, age, f.last_seq, self.index.blocks_held(worker_id))
+
+
+
+def _exact_tail(by_seq: dict[int, EventBatch], first: int, end: int) -> tuple[list[tuple[int, EventBatch]], int] | None:
+    """Of the replayed batches, those in ``[first, end)`` that make a worker's state exact, and how many were
+    skipped: the contiguous run ending at ``end - 1``, whole if it reaches ``first``, else from its last
+    ``AllBlocksCleared`` on (a clear wipes what came before it). None when neither holds."""
+    run: list[tuple[int, EventBatch]] = []
+    seq = end - 1
+    while seq >= first and seq in by_seq:
+        run.append((seq, by_seq[seq]))
+        seq -= 1
+    run.reverse()
+    clears = [i for i, (_, batch) in enumerate(run) if any(isinstance(e, AllBlocksCleared) for e in batch.events)]
+    if seq >= first and not clears:
+        return None
+    start = clears[-1] if clears else 0
+    return run[start:], start

@@ -51,9 +51,9 @@ class EventSource:
 
 
 async def fetch_replay(
-    ctx: zmq.asyncio.Context, endpoint: str, start_seq: int, stop_before: int, timeout_s: float
+    ctx: zmq.asyncio.Context, endpoint: str, start_seq: int, stop_before: int | None, timeout_s: float
 ) -> list[tuple[int, EventBatch]]:
-    """Ask an engine's replay socket for batches ``start_seq..stop_before-1``. Best effort."""
+    """Ask an engine's replay socket for batches ``start_seq..stop_before-1`` (None: all it has). Best effort."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     out: list[tuple[int, EventBatch]] = []
@@ -70,7 +70,7 @@ async def fetch_replay(
             if msg is None:
                 break
             out.append((msg.seq, msg.batch))
-            if msg.seq >= stop_before - 1:
+            if stop_before is not None and msg.seq >= stop_before - 1:
                 break
     except (TimeoutError, zmq.ZMQError) as e:
         log.warning("replay from %s failed after %d batches: %r", endpoint, len(out), e)
@@ -103,6 +103,7 @@ class KvEventSubscriber:
         self.unattributed_malformed = 0  # bind mode: frames too broken to name their worker
         self.messages = 0
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.ready: set[str] = set()  # dialled workers past their connect-time replay (read, tried or none)
         self.bound_endpoint: str | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -146,6 +147,10 @@ class KvEventSubscriber:
     # ---- receive loop ------------------------------------------------------------------------
     async def _run(self, sock: zmq.asyncio.Socket, worker_id: str | None) -> None:
         try:
+            if worker_id is not None:
+                if worker_id in self.replay_endpoints:
+                    await self._bootstrap(worker_id)
+                self.ready.add(worker_id)
             while True:
                 frames = await sock.recv_multipart()
                 self.messages += 1
@@ -182,6 +187,13 @@ class KvEventSubscriber:
             "worker %s: gap %d..%d %s", worker, gap.first_missing, gap.next_seq - 1,
             "filled from replay" if filled else "not recoverable, index cleared (unsynced)",
         )
+
+    async def _bootstrap(self, worker_id: str) -> None:
+        """Read the engine's replay buffer once at connect time (the SUB socket is already connected, so
+        nothing published meanwhile is lost; what both deliver is skipped as a duplicate)."""
+        replayed = await fetch_replay(self.ctx, self.replay_endpoints[worker_id], 0, None, self.replay_timeout_s)
+        if self.feeder.bootstrap(worker_id, replayed, self.clock()):
+            log.info("worker %s: %d batches replayed at connect, index synced", worker_id, len(replayed))
 
     def _identity_of_broken(self, frames: list[bytes]) -> str | None:
         if len(frames) < 1:
