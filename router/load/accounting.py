@@ -10,6 +10,7 @@ each request's own partial block and output.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ class WorkerLoad:
     active_keys: dict[int, int] = field(default_factory=dict)  # prompt block key -> requests in flight using it
     tail_blocks: int = 0
     request_ids: set[str] = field(default_factory=set)
+    release: tuple[float, list[float], list[int]] | None = None  # cached by release_wait_s; None when stale
 
     @property
     def active_blocks(self) -> int:
@@ -82,6 +84,7 @@ class LoadTracker:
             w.active_keys[k] = w.active_keys.get(k, 0) + 1
         w.tail_blocks += tail
         w.request_ids.add(request_id)
+        w.release = None
         w.requests += 1
         w.prompt_tokens += prompt_tokens
         w.pending_prefill_tokens += uncached_tokens
@@ -94,6 +97,7 @@ class LoadTracker:
             return None
         r.first_token_at = now
         w = self.load(r.worker_id)
+        w.release = None
         w.pending_prefill_tokens -= r.uncached_tokens
         w.decoding += 1
         return r
@@ -111,6 +115,7 @@ class LoadTracker:
                 del w.active_keys[k]
         w.tail_blocks -= r.tail_blocks
         w.request_ids.discard(request_id)
+        w.release = None
         w.requests -= 1
         w.prompt_tokens -= r.prompt_tokens
         if r.first_token_at is None:
@@ -125,21 +130,30 @@ class LoadTracker:
         Each is expected to finish ``max_tokens`` decode steps after its first token (or after its predicted
         one). Taken in that order, each frees its own tail and the prompt blocks no request still in flight
         shares (a suffix of its keys: counts along a key chain never rise). If all of them finishing would
-        not free enough: the last one's finish.
+        not free enough: the last one's finish. The schedule is kept per worker until its requests change
+        (once per routed request), so a decision over many workers costs a binary search on each.
         """
         w = self.workers.get(worker_id)
         if w is None or not w.request_ids or blocks <= 0:
             return 0.0
-        ends = []
+        if w.release is None or w.release[0] != decode_step_s:
+            w.release = (decode_step_s, *self._release_schedule(w, decode_step_s))
+        _, ends, freed = w.release
+        i = bisect.bisect_left(freed, blocks)
+        return max(0.0, ends[min(i, len(ends) - 1)] - now)
+
+    def _release_schedule(self, w: WorkerLoad, decode_step_s: float) -> tuple[list[float], list[int]]:
+        """Expected finish times in order, and the KV blocks freed by then (cumulative)."""
+        order = []
         for rid in w.request_ids:
             r = self.inflight[rid]
             start = r.first_token_at if r.first_token_at is not None else r.dispatched_at + (r.predicted_ttft_s or 0.0)
-            ends.append((max(0.0, start + r.max_tokens * decode_step_s - now), rid))
-        ends.sort()
+            order.append((start + r.max_tokens * decode_step_s, rid))
+        order.sort()
         gone: dict[int, int] = {}  # key -> requests holding it that are taken as finished
-        freed = 0
         active = w.active_keys
-        for end, rid in ends:
+        ends, cumulative, freed = [], [], 0
+        for end, rid in order:
             r = self.inflight[rid]
             for k in r.keys:
                 gone[k] = gone.get(k, 0) + 1
@@ -152,9 +166,9 @@ class LoadTracker:
                 else:
                     lo = mid + 1
             freed += r.tail_blocks + len(r.keys) - lo
-            if freed >= blocks:
-                return end
-        return ends[-1][0]
+            ends.append(end)
+            cumulative.append(freed)
+        return ends, cumulative
 
     def forget_worker(self, worker_id: str) -> None:
         for rid in [rid for rid, r in self.inflight.items() if r.worker_id == worker_id]:
