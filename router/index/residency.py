@@ -214,6 +214,10 @@ class KvIndex:
             return {m: 0 for m in MEDIA}
         return {m: len(w.refs[m]) for m in MEDIA}
 
+    def blocks_held_on(self, worker_id: str, medium: Medium) -> int:
+        w = self._workers.get(worker_id)
+        return len(w.refs[medium]) if w is not None else 0
+
     def resident_keys(self, worker_id: str) -> dict[Medium, set[int]]:
         """Every key a worker holds, per medium (for tests and debugging; O(blocks))."""
         w = self._workers.get(worker_id)

@@ -49,8 +49,10 @@ class WorkerLoad:
 
     def shared_prefix_blocks(self, keys: Sequence[int]) -> int:
         """How many leading ``keys`` a request in flight already holds (binary search: keys are prefix-closed)."""
-        lo, hi = 0, len(keys)
         active = self.active_keys
+        if not keys or keys[0] not in active:
+            return 0
+        lo, hi = 1, len(keys)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if keys[mid - 1] in active:

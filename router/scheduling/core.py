@@ -79,7 +79,7 @@ class RoutingCore:
 
     def resident_tokens(self, worker_id: str) -> int:
         """What the worker's GPU cache holds, by the index."""
-        return self.index.blocks_held(worker_id)[Medium.GPU] * self.config.block_size
+        return self.index.blocks_held_on(worker_id, Medium.GPU) * self.config.block_size
 
     def fullness(self, worker_id: str) -> float:
         """Resident tokens over the worker's cache capacity; 0 when capacity is unknown."""
@@ -118,8 +118,10 @@ class RoutingCore:
         # its prompt blocks no request in flight holds, and its partial block and output: engines admit on
         # what is free now, but a cache that cannot hold every request to its last token preempts (recompute)
         tail = -(-(req.prompt_tokens - len(req.keys) * req.block_size + req.max_tokens) // req.block_size)
-        needed = len(req.keys) - load.shared_prefix_blocks(req.keys) + tail
-        over = load.active_blocks + needed - capacity // req.block_size
+        room = capacity // req.block_size - load.active_blocks
+        if len(req.keys) + tail <= room:
+            return 0.0  # fits even without the blocks it shares with requests in flight
+        over = len(req.keys) - load.shared_prefix_blocks(req.keys) + tail - room
         if over <= 0:
             return 0.0
         return self.load.release_wait_s(worker_id, over, now, self.cost.params.decode_step_s)
