@@ -223,7 +223,6 @@ class IndexFeeder:
         return WorkerStatus(worker_id, state, age, f.last_seq, self.index.blocks_held(worker_id))
 
 
-
 def _exact_tail(by_seq: dict[int, EventBatch], first: int, end: int) -> tuple[list[tuple[int, EventBatch]], int] | None:
     """Of the replayed batches, those in ``[first, end)`` that make a worker's state exact, and how many were
     skipped: the contiguous run ending at ``end - 1``, whole if it reaches ``first``, else from its last
