@@ -134,4 +134,6 @@ def test_connect_time_replay_skips_duplicates_but_still_sees_a_restart():
     assert f.resets == 1 and feeder.index.engine_hashes("w")[Medium.GPU] == {99}
     # a buffer that neither starts at seq 0 nor holds a reset says nothing exact: left to the live path
     other = IndexFeeder(KvIndex(), block_size=2)
-    assert not other.bootstrap("w", history[2:], now=0.0) and other.feeds["w"].last_seq is None
+    assert not other.bootstrap("w", history[2:], now=0.0)
+    assert "w" not in other.feeds  # no feed made: the worker still counts as not heard from, not unsynced
+    assert not other.bootstrap("v", [], now=0.0) and "v" not in other.feeds

@@ -130,14 +130,14 @@ class IndexFeeder:
         """Before any live batch: apply an engine's whole replay buffer, read at connect time, if it makes the
         index exact (it starts at seq 0 or holds a cache reset). A router meeting long-lived engines then knows
         their caches before traffic arrives, instead of replaying up to 10,000 batches mid-request."""
-        f = self.feed(worker_id)
         by_seq = {seq: b for seq, b in replayed}
-        if f.last_seq is not None or not by_seq:
-            return False
-        last = max(by_seq)
-        exact = _exact_tail(by_seq, 0, last + 1)
+        known = self.feeds.get(worker_id)
+        if (known is not None and known.last_seq is not None) or not by_seq:
+            return False  # nothing published yet (a worker not heard from counts as synced and empty)
+        exact = _exact_tail(by_seq, 0, max(by_seq) + 1)
         if exact is None:
             return False
+        f = self.feed(worker_id)
         batches, superseded = exact
         f.superseded_batches += superseded
         for seq, batch in batches:
