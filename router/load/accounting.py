@@ -11,9 +11,13 @@ each request's own partial block and output.
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+def tail_blocks(prompt_tokens: int, full_blocks: int, max_tokens: int, block_size: int) -> int:
+    """KV blocks a request needs beyond its full prompt blocks: its partial last block and its output."""
+    return -(-(prompt_tokens - full_blocks * block_size + max_tokens) // block_size)
 
 
 @dataclass(slots=True)
@@ -78,7 +82,7 @@ class LoadTracker:
                  block_size: int = 16) -> None:
         if request_id in self.inflight:
             self.complete(request_id, now)  # a retry on another worker replaces the first attempt
-        tail = math.ceil((prompt_tokens - len(keys) * block_size + max_tokens) / block_size)
+        tail = tail_blocks(prompt_tokens, len(keys), max_tokens, block_size)
         self.inflight[request_id] = InFlight(worker_id, prompt_tokens, uncached_tokens, max_tokens, now,
                                              predicted_ttft_s, None, keys, tail)
         w = self.load(worker_id)

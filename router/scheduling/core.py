@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from router.events.feed import IndexFeeder
 from router.index import KvIndex, Medium, PrefixMatch
 from router.index.speculative import SpeculativePrefixes
-from router.load import EngineMetrics, LoadTracker, WorkerLoad
+from router.load import EngineMetrics, LoadTracker, WorkerLoad, tail_blocks
 from router.scheduling.cost import CostModel, CostParams
 from router.scheduling.filters import FILTERS, SATURATED
 from router.scheduling.policies import POLICIES, Policy
@@ -81,11 +81,6 @@ class RoutingCore:
         """What the worker's GPU cache holds, by the index."""
         return self.index.blocks_held_on(worker_id, Medium.GPU) * self.config.block_size
 
-    def fullness(self, worker_id: str) -> float:
-        """Resident tokens over the worker's cache capacity; 0 when capacity is unknown."""
-        capacity = self.cache_tokens.get(worker_id)
-        return min(1.0, self.resident_tokens(worker_id) / capacity) if capacity else 0.0
-
     def fresh_metrics(self, worker_id: str) -> EngineMetrics | None:
         m = self.metrics.get(worker_id)
         return m.fresh(self._now, self.config.metrics_max_age_s) if m else None
@@ -110,14 +105,14 @@ class RoutingCore:
                 return "stale"
         return "synced"
 
-    def memory_wait_s(self, worker_id: str, req: RouteRequest, load: WorkerLoad | None, now: float) -> float:
+    def memory_wait_s(self, worker_id: str, req: RouteRequest, load: WorkerLoad | None, capacity: int | None,
+                      now: float) -> float:
         """Until the requests in flight there free room for this request's KV blocks; 0 if they fit now."""
-        capacity = self.cache_tokens.get(worker_id)
         if not capacity or load is None or not load.requests:
             return 0.0
         # its prompt blocks no request in flight holds, and its partial block and output: engines admit on
         # what is free now, but a cache that cannot hold every request to its last token preempts (recompute)
-        tail = -(-(req.prompt_tokens - len(req.keys) * req.block_size + req.max_tokens) // req.block_size)
+        tail = tail_blocks(req.prompt_tokens, len(req.keys), req.max_tokens, req.block_size)
         room = capacity // req.block_size - load.active_blocks
         if len(req.keys) + tail <= room:
             return 0.0  # fits even without the blocks it shares with requests in flight
@@ -177,7 +172,7 @@ class RoutingCore:
             est = self.cost.estimate(r.worker_id, req.prompt_tokens, req.block_size, held[r.worker_id], load,
                                      self.fresh_metrics(r.worker_id), duplicate,
                                      self.resident_tokens(r.worker_id) if capacity else 0, capacity,
-                                     self.memory_wait_s(r.worker_id, req, load, now))
+                                     self.memory_wait_s(r.worker_id, req, load, capacity, now))
             r.queue_s, r.prefill_s, r.decode_s, r.ttft_s = est.queue_s, est.prefill_s, est.decode_s, est.ttft_s
             r.interference_s, r.eviction_s = est.interference_s, est.eviction_s
             r.score = est.score
