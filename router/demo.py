@@ -23,7 +23,7 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from router.bench.load import free_port, sim_workers
+from router.bench.load import free_port, p99, sim_workers
 from router.bench.peers import PeerUnavailable
 from router.config import load_config
 from router.discovery import parse_worker_arg
@@ -59,7 +59,7 @@ class PolicyRun:
         ttft = sorted(self.ttft) or [float("nan")]
         return {
             "ttft_p50_s": statistics.median(ttft),
-            "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+            "ttft_p99_s": p99(ttft),
             "ttft_mean_s": statistics.fmean(ttft),
             "e2e_mean_s": statistics.fmean(self.e2e) if self.e2e else float("nan"),
             "throughput_tok_s": self.output_tokens / self.wall_s if self.wall_s else 0.0,
@@ -158,6 +158,27 @@ def run_smg(worker_urls: list[str], workload: list[DemoRequest], progress: bool)
         return asyncio.run(drive_workload("smg", url + "/v1/completions", workload, progress))
 
 
+def run_round(policies: list[str], rotate: int, specs: list[str], urls: list[str], workload: list[DemoRequest],
+              progress: bool, skipped: dict[str, str]) -> list[PolicyRun]:
+    """Every policy once on one workload, in an order rotated by ``rotate`` (none always goes first).
+
+    ``smg`` runs where installed; where not, why goes into ``skipped`` and it is not tried again."""
+    order = policies[rotate % len(policies):] + policies[: rotate % len(policies)]
+    done: list[PolicyRun] = []
+    for policy in order:
+        if policy in skipped:
+            continue
+        if policy == "smg":
+            try:
+                done.append(run_smg(urls, workload, progress))
+            except PeerUnavailable as e:
+                skipped[policy] = str(e)
+                print(f"  smg skipped: {e}", file=sys.stderr)
+            continue
+        done.append(asyncio.run(run_policy(policy, specs, urls, workload, progress)))
+    return done
+
+
 async def drive_workload(policy: str, url: str, workload: list[DemoRequest], progress: bool) -> PolicyRun:
     run = PolicyRun(policy)
     conn = aiohttp.TCPConnector(limit=0)
@@ -247,17 +268,9 @@ def main(args: argparse.Namespace) -> int:
         specs, urls = [w.spec for w in workers], [w.url for w in workers]
         print(f"workers up in {time.monotonic() - started:.1f} s", flush=True)
         rounds: list[list[PolicyRun]] = []
-        for r in range(args.rounds):  # policies in a rotated order each round: none always goes first
-            order = policies[r % len(policies):] + policies[: r % len(policies)]
-            done: list[PolicyRun] = []
-            for policy in order:
-                if policy == "smg":
-                    try:
-                        done.append(run_smg(urls, workload, progress=True))
-                    except PeerUnavailable as e:
-                        print(f"  smg skipped: {e}", file=sys.stderr)
-                    continue
-                done.append(asyncio.run(run_policy(policy, specs, urls, workload, progress=True)))
+        skipped: dict[str, str] = {}
+        for r in range(args.rounds):
+            done = run_round(policies, r, specs, urls, workload, True, skipped)
             rounds.append(sorted(done, key=lambda x: policies.index(x.policy)))
     runs = [median_run([rnd[i] for rnd in rounds]) for i in range(len(rounds[0]))] if rounds else []
     print()

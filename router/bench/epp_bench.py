@@ -18,8 +18,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from router.bench.load import drive, free_port, server_process, sim_workers
-from router.bench.proxy_bench import _bodies, _c1, _cpu_s, _p99
+from router.bench.load import drive, free_port, p99, server_process, sim_workers
+from router.bench.proxy_bench import _bodies, _c1, _cpu_s
 from router.frontends.envoy_config import bootstrap, envoy_process
 
 
@@ -56,13 +56,13 @@ def run(quick: bool = False) -> dict[str, Any]:
                 rps[name].append(res.rps)
                 if name == "envoy+epp":
                     cpu.append((_cpu_s(epp.pid) - before) * 1e3 / n_c32)
-    base50, base99 = statistics.median(lat["envoy"]), _p99(lat["envoy"])
-    p50, p99 = statistics.median(lat["envoy+epp"]), _p99(lat["envoy+epp"])
+    base50, base99 = statistics.median(lat["envoy"]), p99(lat["envoy"])
+    p50, p99_ms = statistics.median(lat["envoy+epp"]), p99(lat["envoy+epp"])
     return {
         "envoy": {"p50_ms_c1": round(base50, 3), "p99_ms_c1": round(base99, 3),
                   "rps_c32": round(statistics.median(rps["envoy"]), 1)},
-        "added_p50_ms_c1": round(p50 - base50, 3), "added_p99_ms_c1": round(p99 - base99, 3),
-        "p50_ms_c1": round(p50, 3), "p99_ms_c1": round(p99, 3),
+        "added_p50_ms_c1": round(p50 - base50, 3), "added_p99_ms_c1": round(p99_ms - base99, 3),
+        "p50_ms_c1": round(p50, 3), "p99_ms_c1": round(p99_ms, 3),
         "rps_c32": round(statistics.median(rps["envoy+epp"]), 1),
         "cpu_ms_per_pick": round(statistics.median(cpu), 3),
         "requests": {"c1_per_target": n_c1 * rounds, "c32_per_round": n_c32},

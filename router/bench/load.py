@@ -19,6 +19,12 @@ from typing import Any
 import aiohttp
 
 
+def p99(xs: Sequence[float]) -> float:
+    """Nearest-rank 99th percentile (the sample at index 0.99 n of the sorted ones)."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(0.99 * len(s)))]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

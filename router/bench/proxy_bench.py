@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from router.bench.load import drive, free_port, server_process, sim_workers
+from router.bench.load import drive, free_port, p99, server_process, sim_workers
 from router.bench.peers import PeerUnavailable, smg
 
 
@@ -87,15 +87,15 @@ def run(quick: bool = False) -> dict[str, Any]:
                 if name == "kvrouter":
                     cpu_ms.append((_cpu_s(kv.pid) - before) * 1e3 / n_c32)
     direct_p50 = statistics.median(c1["direct"])
-    direct_p99 = _p99(c1["direct"])
+    direct_p99 = p99(c1["direct"])
     out["direct"] = {"p50_ms_c1": round(direct_p50, 3), "p99_ms_c1": round(direct_p99, 3),
                      "rps_c32": round(statistics.median(rps["direct"]), 1)}
     for name in targets:
         if name == "direct":
             continue
-        p50, p99 = statistics.median(c1[name]), _p99(c1[name])
-        out[name] = {"p50_ms_c1": round(p50, 3), "p99_ms_c1": round(p99, 3),
-                     "added_p50_ms_c1": round(p50 - direct_p50, 3), "added_p99_ms_c1": round(p99 - direct_p99, 3),
+        p50, p99_ms = statistics.median(c1[name]), p99(c1[name])
+        out[name] = {"p50_ms_c1": round(p50, 3), "p99_ms_c1": round(p99_ms, 3),
+                     "added_p50_ms_c1": round(p50 - direct_p50, 3), "added_p99_ms_c1": round(p99_ms - direct_p99, 3),
                      "rps_c32": round(statistics.median(rps[name]), 1)}
     out["kvrouter"]["cpu_ms_per_request"] = round(statistics.median(cpu_ms), 3)
     out["requests"] = {"c1_per_target": n_c1 * rounds, "c32_per_round": n_c32}
@@ -111,11 +111,6 @@ async def _split(urls: list[str], n: int):  # type: ignore[no-untyped-def]
         merged.errors += h.errors
         merged.elapsed_s = max(merged.elapsed_s, h.elapsed_s)
     return merged
-
-
-def _p99(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(0.99 * len(s)))]
 
 
 def main(args: argparse.Namespace) -> int:

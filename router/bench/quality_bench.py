@@ -11,7 +11,6 @@ seeds precise beats each other policy (paired: same arrivals).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
@@ -19,8 +18,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from router.bench.load import sim_workers
-from router.bench.peers import PeerUnavailable
-from router.demo import DEMO_DEFAULTS, PolicyRun, run_policy, run_smg, shared_prefix_workload
+from router.demo import DEMO_DEFAULTS, PolicyRun, run_round, shared_prefix_workload
 
 POLICIES = ["round_robin", "approx_prefix", "precise", "smg"]
 
@@ -49,19 +47,8 @@ def run(seeds: int, progress: bool = True) -> dict[str, Any]:
         specs, urls = [w.spec for w in workers], [w.url for w in workers]
         for seed in range(seeds):
             workload = shared_prefix_workload(d["groups"], d["per_group"], d["rate"], seed)
-            order = POLICIES[seed % len(POLICIES):] + POLICIES[: seed % len(POLICIES)]
-            for policy in order:
-                if policy in skipped:
-                    continue
-                if policy == "smg":
-                    try:
-                        result = run_smg(urls, workload, progress)
-                    except PeerUnavailable as e:
-                        skipped[policy] = str(e)
-                        continue
-                else:
-                    result = asyncio.run(run_policy(policy, specs, urls, workload, progress))
-                by_policy.setdefault(policy, []).append(result)
+            for result in run_round(POLICIES, seed, specs, urls, workload, progress, skipped):
+                by_policy.setdefault(result.policy, []).append(result)
     out: dict[str, Any] = {"seeds": seeds, "requests_per_seed": d["groups"] * d["per_group"], "policies": {}}
     precise = by_policy.get("precise", [])
     for policy in POLICIES:
