@@ -127,6 +127,7 @@ class KvEventSubscriber:
         task = self._tasks.pop(worker_id, None)
         if task is not None:
             task.cancel()
+        self.ready.discard(worker_id)  # a re-added source reads its replay buffer again before it is ready
 
     async def stop(self) -> None:
         tasks = list(self._tasks.values())
