@@ -48,7 +48,9 @@ def _load_router_config(args: argparse.Namespace, extra: dict) -> object:
         "routing.policy": args.policy, "routing.block_size": args.block_size,
         "routing.stale_after_s": args.stale_after, "routing.max_inflight_requests": args.max_inflight,
         "workers_file": args.workers_file, "events_bind": args.events_bind, "tokenizer": args.tokenizer,
-        "tenant_header": args.tenant_header, "kubernetes.pool": args.inference_pool,
+        "tenant_header": args.tenant_header, "tenant_missing": args.tenant_missing,
+        "max_model_len": args.max_model_len, "max_body_bytes": args.max_body_bytes,
+        "kubernetes.pool": args.inference_pool,
         "kubernetes.namespace": args.namespace, **extra,
     }
     config = load_config(args.config, overrides)
@@ -106,7 +108,13 @@ def _routing_options(p: argparse.ArgumentParser) -> None:
                    "loses prefix credit (default 10)")
     p.add_argument("--max-inflight", type=int, help="per-worker in-flight requests before shedding (default 512)")
     p.add_argument("--tokenizer", help="tokenizer.json or its directory (default: the bundled one)")
-    p.add_argument("--tenant-header", help="trusted header whose value becomes the request's cache_salt")
+    p.add_argument("--tenant-header", help="trusted header whose value becomes the request's cache_salt; the "
+                   "client's own cache_salt is then never used")
+    p.add_argument("--tenant-missing", choices=["reject", "no_salt"], help="with --tenant-header, a request "
+                   "without it: reject (400, default) or serve it with no cache_salt")
+    p.add_argument("--max-model-len", type=int, help="refuse prompts longer than this many tokens before "
+                   "tokenizing them (default: the largest max_model_len the workers report)")
+    p.add_argument("--max-body-bytes", type=int, help="largest request body accepted (default 32 MiB)")
     p.add_argument("--log-level", default="warning")
 
 
@@ -115,7 +123,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     return _run_router(args, "serve", {
         "listen.host": args.host, "listen.port": args.port, "admin.host": args.admin_host,
-        "admin.port": args.admin_port, "max_body_bytes": args.max_body_bytes}, run_proxy)
+        "admin.port": args.admin_port}, run_proxy)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -163,7 +171,6 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, help="proxy port (default 8000)")
     sv.add_argument("--admin-host", help="admin/debug listen address (default 127.0.0.1)")
     sv.add_argument("--admin-port", type=int, help="admin/debug port (default 8001)")
-    sv.add_argument("--max-body-bytes", type=int, help="largest request body accepted (default 32 MiB)")
     sv.set_defaults(handler=_serve)
 
     ep = sub.add_parser("epp", help="Envoy ext_proc endpoint picker (Gateway API Inference Extension)",

@@ -73,6 +73,8 @@ class RouterConfig:
     tokenizer: str = str(DEFAULT_TOKENIZER_DIR)
     tokenizers: dict[str, str] = field(default_factory=dict)  # model -> tokenizer dir/file
     tenant_header: str | None = None  # when set, its value is the cache_salt (trusted gateway header)
+    tenant_missing: str = "reject"  # with tenant_header set, a request without it: reject (400) | no_salt
+    max_model_len: int | None = None  # largest context a prompt may need; unset: the workers' own, learned
     session_header: str = "x-session-id"
     max_body_bytes: int = 32 * 1024 * 1024
     max_attempts: int = 3
@@ -160,6 +162,10 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     cfg = _build(RouterConfig, data, str(path or "config"))
     if cfg.max_attempts < 1:
         raise ConfigError("max_attempts must be at least 1")
+    if cfg.tenant_missing not in ("reject", "no_salt"):
+        raise ConfigError(f"tenant_missing: expected reject or no_salt, got {cfg.tenant_missing!r}")
+    if cfg.max_model_len is not None and cfg.max_model_len < 1:
+        raise ConfigError("max_model_len must be at least 1")
     return cfg
 
 

@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-tokens", type=int, default=1 << 20, help="KV cache per worker in tokens (default 1M)")
     p.add_argument("--gpu-blocks", type=int, default=None, help="KV blocks per worker (overrides --kv-tokens)")
     p.add_argument("--cpu-blocks", type=int, default=0, help="CPU offload tier per worker (blocks)")
+    p.add_argument("--max-model-len", type=int, default=EngineConfig.max_model_len,
+                   help="engine context limit in tokens: longer requests (prompt + output) are rejected, as a real "
+                        "engine answers 400, and counted per policy as 'rejected' (default %(default)s)")
     p.add_argument("--timing", default=None, help="YAML/JSON overriding the engine timing model")
     p.add_argument("--json", action="store_true", help="print JSON with stable keys instead of the table")
     p.add_argument("--plots", default=None, metavar="DIR", help="write TTFT CDF and hit/load PNGs here")
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         args.gpu_blocks = args.kv_tokens // args.block_size
     timing = TimingModel.from_file(args.timing) if args.timing else TimingModel()
     engine = EngineConfig(num_gpu_blocks=args.gpu_blocks, block_size=args.block_size, cpu_blocks=args.cpu_blocks,
-                          timing=timing)
+                          max_model_len=args.max_model_len, timing=timing)
     source = args.trace or args.workload
     workloads = [_workload(args, seed) for seed in range(args.seed, args.seed + max(1, args.seeds))]
     requests = [r for w in workloads for r in w]

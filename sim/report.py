@@ -19,6 +19,7 @@ COLUMNS = [
     ("throughput_tok_s", "out tok/s", "{:,.0f}"),
     ("load_imbalance", "imbalance", "{:.2f}"),
     ("shed", "shed", "{:d}"),
+    ("rejected", "rejected", "{:d}"),
     ("wall_s", "wall s", "{:.1f}"),
 ]
 
@@ -56,7 +57,7 @@ def table(summaries: dict[str, dict[str, Any]], bound: float | None) -> str:
 
 def stable_json(summaries: dict[str, dict[str, Any]], bound: float, extra: dict[str, Any]) -> dict[str, Any]:
     keys = ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_rate", "throughput_tok_s", "shed",
-            "e2e_mean_s", "load_imbalance", "completed", "requests", "wall_s")
+            "rejected", "e2e_mean_s", "load_imbalance", "completed", "requests", "wall_s")
     return {"policies": {n: {k: s[k] for k in keys} for n, s in summaries.items()}, "bound_hit_rate": bound, **extra}
 
 

@@ -55,7 +55,8 @@ class RequestRecord:
     cached_tokens: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
-    outcome: str = "routed"  # routed | shed | no_endpoint
+    outcome: str = "routed"  # routed | shed | no_endpoint | rejected (the engine refused it: an HTTP 400)
+    error: str | None = None  # why the engine rejected it
 
     @property
     def ttft(self) -> float | None:
@@ -118,7 +119,10 @@ class Simulation:
                 if self.next_arrival < total:
                     nxt = self.requests[self.next_arrival]
                     self._push(nxt.arrival, ARRIVE, nxt)
-                self._arrive(data, now)  # type: ignore[arg-type]
+                if not self._arrive(data, now):  # type: ignore[arg-type]
+                    done += 1  # shed, no endpoint or rejected: it is over already
+                    if progress:
+                        progress(done, total)
             elif kind == STEP_END:
                 w, result = data  # type: ignore[misc]
                 finished = self._step_end(w, result, now)
@@ -138,13 +142,14 @@ class Simulation:
         records = list(self.records.values())
         per_worker: dict[str, int] = dict.fromkeys(self.ids, 0)
         for rec in records:
-            if rec.worker:
+            if rec.worker and rec.outcome == "routed":
                 per_worker[rec.worker] += rec.prompt_tokens
         return SimResult(self.core.policy.name, records, now, per_worker, timeline, len(records),
                          _time.perf_counter() - started)
 
     # ---- events ----------------------------------------------------------------------------------
-    def _arrive(self, r: SimRequest, now: float) -> None:
+    def _arrive(self, r: SimRequest, now: float) -> bool:
+        """Route one arrival; ``False`` when it ends here (shed, no endpoint, or rejected by the engine)."""
         tokens = r.tokens
         keys = chain_keys(tokens, self.block_size)
         rr = RouteRequest(r.request_id, keys, len(tokens), self.block_size, r.output_len, session=r.session)
@@ -153,12 +158,19 @@ class Simulation:
         self.records[r.request_id] = rec
         if decision.outcome != "routed":
             rec.outcome, rec.worker = decision.outcome, None
-            return
+            return False
         w = decision.ranked[0]
         self.core.dispatched(rr, w, decision, now)
-        self.engines[w].add_request(EngineRequest(r.request_id, tokens, r.output_len, arrival=now))
+        try:
+            self.engines[w].add_request(EngineRequest(r.request_id, tokens, r.output_len, arrival=now))
+        except ValueError as e:
+            # what a real engine (and workers.sim) answers with a 400: the router sees the request end at once
+            rec.outcome, rec.error = "rejected", str(e)
+            self.core.completed(r.request_id, now)
+            return False
         if not self.busy[w]:
             self._start_step(w, now)
+        return True
 
     def _start_step(self, w: str, now: float) -> None:
         # nothing reaches this engine before the next arrival: let pure decode runs fast-forward to it
@@ -242,6 +254,7 @@ def summarise(result: SimResult) -> dict[str, float]:
         "load_imbalance": float(loads.max() / loads.mean()) if loads.mean() else 1.0,
         "shed": sum(1 for r in recs if r.outcome == "shed"),
         "no_endpoint": sum(1 for r in recs if r.outcome == "no_endpoint"),
+        "rejected": sum(1 for r in recs if r.outcome == "rejected"),
         "completed": sum(1 for r in recs if r.finished_at is not None),
         "requests": len(recs),
         "wall_s": result.wall_s,

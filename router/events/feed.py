@@ -14,8 +14,9 @@ share them:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from router.events.codec import (
     AllBlocksCleared,
@@ -27,6 +28,21 @@ from router.events.codec import (
 )
 from router.index import KvIndex, Medium
 from router.keys import ROOT_KEY, chain_keys, request_extras
+
+T = TypeVar("T")
+# A feed operation in steps: each ``next`` applies up to SLICE_BLOCKS blocks, so an adapter with an event
+# loop can yield between steps (one BlockStored of a million hashes must not stall every request).
+Steps = Generator[None, None, T]
+SLICE_BLOCKS = 4096
+
+
+def run_steps(steps: Steps[T]) -> T:
+    """Run a stepped feed operation to its end, at once (callers without an event loop to share)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +70,7 @@ class WorkerFeed:
     block_size_mismatch: int = 0
     superseded_batches: int = 0  # replayed batches skipped because a later AllBlocksCleared undid them
     duplicates: int = 0  # live batches already applied from the connect-time replay
+    suspect_since: float | None = None  # the worker failed to answer: no credit until a batch proves its state
     bootstrap_ts: dict[int, float] = field(default_factory=dict)  # seq -> batch time, of the connect-time replay
 
 
@@ -72,6 +89,7 @@ class IndexFeeder:
         self.block_size = block_size  # None: accept the engine's block size as is
         self.resync_after_s = resync_after_s
         self.feeds: dict[str, WorkerFeed] = {}
+        self._work = 0  # blocks (and events) applied since the last step ended
 
     def feed(self, worker_id: str) -> WorkerFeed:
         f = self.feeds.get(worker_id)
@@ -82,6 +100,18 @@ class IndexFeeder:
     # ---- sequencing ------------------------------------------------------------------------
     def offer(self, worker_id: str, seq: int, batch: EventBatch, now: float) -> Gap | None:
         """Apply a live batch if it is next in order; otherwise say which range is missing."""
+        return run_steps(self.offer_steps(worker_id, seq, batch, now))
+
+    def fill_gap(
+        self, gap: Gap, replayed: Iterable[tuple[int, EventBatch]], held: EventBatch, now: float
+    ) -> bool:
+        return run_steps(self.fill_gap_steps(gap, replayed, held, now))
+
+    def bootstrap(self, worker_id: str, replayed: Iterable[tuple[int, EventBatch]], now: float) -> bool:
+        return run_steps(self.bootstrap_steps(worker_id, replayed, now))
+
+    def offer_steps(self, worker_id: str, seq: int, batch: EventBatch, now: float) -> Steps[Gap | None]:
+        """``offer`` in steps."""
         f = self.feed(worker_id)
         if f.bootstrap_ts:
             if f.bootstrap_ts.get(seq) == batch.ts:  # published while the connect-time replay was read
@@ -96,12 +126,12 @@ class IndexFeeder:
             return Gap(worker_id, expected, seq)
         if seq == 0:
             f.synced = True  # we have seen every batch this engine process published
-        self._apply(f, seq, batch, now)
+        yield from self._apply(f, seq, batch, now)
         return None
 
-    def fill_gap(
+    def fill_gap_steps(
         self, gap: Gap, replayed: Iterable[tuple[int, EventBatch]], held: EventBatch, now: float
-    ) -> bool:
+    ) -> Steps[bool]:
         """Apply replayed batches covering ``gap`` then the held one; clear the worker if they do not.
 
         Batches before the last ``AllBlocksCleared`` in the range are skipped (``superseded``): the clear
@@ -116,17 +146,17 @@ class IndexFeeder:
             batches, superseded = exact
             f.superseded_batches += superseded
             for seq, batch in batches:
-                self._apply(f, seq, batch, now)
+                yield from self._apply(f, seq, batch, now)
             f.gaps_filled += 1
             if gap.first_missing == 0:
                 f.synced = True  # replayed from the engine's first batch, or from a reset: exact either way
         else:  # a partial range is no better than nothing: whatever it did, the clear below undoes
             self.index.clear_worker(gap.worker_id)
             self._mark_unsynced(f, now)
-        self._apply(f, gap.next_seq, held, now)
+        yield from self._apply(f, gap.next_seq, held, now)
         return filled
 
-    def bootstrap(self, worker_id: str, replayed: Iterable[tuple[int, EventBatch]], now: float) -> bool:
+    def bootstrap_steps(self, worker_id: str, replayed: Iterable[tuple[int, EventBatch]], now: float) -> Steps[bool]:
         """Before any live batch: apply an engine's whole replay buffer, read at connect time, if it makes the
         index exact (it starts at seq 0 or holds a cache reset). A router meeting long-lived engines then knows
         their caches before traffic arrives, instead of replaying up to 10,000 batches mid-request."""
@@ -141,7 +171,7 @@ class IndexFeeder:
         batches, superseded = exact
         f.superseded_batches += superseded
         for seq, batch in batches:
-            self._apply(f, seq, batch, now)
+            yield from self._apply(f, seq, batch, now)
         f.synced = True
         f.bootstrap_ts = {seq: b.ts for seq, b in by_seq.items()}
         return True
@@ -155,6 +185,14 @@ class IndexFeeder:
         f.synced = False
         f.unsynced_since = now
 
+    def suspend(self, worker_id: str, now: float) -> None:
+        """The worker stopped answering: it may come back as a new process with an empty cache, publishing
+        nothing until it serves a request. Until its next batch shows which (the old sequence going on, or a
+        restart's seq 0, which clears), its index must not be trusted."""
+        f = self.feeds.get(worker_id)
+        if f is not None and f.last_seq is not None and f.suspect_since is None:
+            f.suspect_since = now
+
     def mark_malformed(self, worker_id: str) -> None:
         self.feed(worker_id).malformed += 1
 
@@ -163,22 +201,29 @@ class IndexFeeder:
         self.index.remove_worker(worker_id)
 
     # ---- application -------------------------------------------------------------------------
-    def _apply(self, f: WorkerFeed, seq: int, batch: EventBatch, now: float) -> None:
+    def _apply(self, f: WorkerFeed, seq: int, batch: EventBatch, now: float) -> Steps[None]:
+        """Apply one batch, yielding after every ``SLICE_BLOCKS`` blocks (a huge event is applied in slices)."""
         f.last_seq = seq
         f.last_event_at = now
         f.batches += 1
+        f.suspect_since = None
         for event in batch.events:
             kind = type(event).__name__
             try:
-                if isinstance(event, BlockStored):
-                    self._stored(f, event)
-                elif isinstance(event, BlockRemoved):
-                    f.unknown_removals += self.index.remove(
-                        f.worker_id, event.block_hashes, medium_of(event.medium)
-                    )
-                elif isinstance(event, AllBlocksCleared):
-                    self.index.clear_worker(f.worker_id)
-                    f.synced = True
+                for piece in _slices(event, SLICE_BLOCKS):
+                    if isinstance(piece, BlockStored):
+                        self._stored(f, piece)
+                    elif isinstance(piece, BlockRemoved):
+                        f.unknown_removals += self.index.remove(
+                            f.worker_id, piece.block_hashes, medium_of(piece.medium)
+                        )
+                    elif isinstance(piece, AllBlocksCleared):
+                        self.index.clear_worker(f.worker_id)
+                        f.synced = True
+                    self._work += len(getattr(piece, "block_hashes", ())) + 1
+                    if self._work >= SLICE_BLOCKS:  # counted across batches: a long replay yields too
+                        self._work = 0
+                        yield
             except (MalformedFrame, ValueError, OverflowError, TypeError):
                 f.malformed += 1
                 continue
@@ -212,15 +257,43 @@ class IndexFeeder:
 
     # ---- status ------------------------------------------------------------------------------
     def status(self, worker_id: str, now: float, stale_after_s: float | None = None) -> WorkerStatus:
-        f = self.feed(worker_id)
+        """A query: a worker never heard from reads as a fresh feed would, and nothing is created for it."""
+        f = self.feeds.get(worker_id) or WorkerFeed(worker_id)
         age = None if f.last_event_at is None else max(0.0, now - f.last_event_at)
         if not f.synced:
             state = "unsynced"
+        elif f.suspect_since is not None:
+            state = "unverified"
         elif stale_after_s is not None and (age is None or age > stale_after_s):
             state = "stale"
         else:
             state = "synced"
         return WorkerStatus(worker_id, state, age, f.last_seq, self.index.blocks_held(worker_id))
+
+
+def _slices(event: BlockStored | BlockRemoved | AllBlocksCleared, size: int) -> list:  # type: ignore[type-arg]
+    """An event as consecutive pieces of at most ``size`` blocks, with the same effect applied in order: a
+    stored chain continues from the previous piece's last hash. A malformed event is left whole (it fails as
+    one), and so is a small one."""
+    if isinstance(event, AllBlocksCleared) or len(event.block_hashes) <= size:
+        return [event]
+    n = len(event.block_hashes)
+    if isinstance(event, BlockRemoved):
+        hashes = event.block_hashes
+        return [BlockRemoved(hashes[i : i + size], event.medium, event.group_idx) for i in range(0, n, size)]
+    bs = event.block_size
+    extras = event.extra_keys
+    if bs <= 0 or len(event.token_ids) != n * bs or (extras is not None and len(extras) != n):
+        return [event]
+    pieces = []
+    for i in range(0, n, size):
+        j = min(n, i + size)
+        pieces.append(BlockStored(
+            event.block_hashes[i:j], event.parent_block_hash if i == 0 else event.block_hashes[i - 1],
+            event.token_ids[i * bs : j * bs], bs, event.lora_id, event.medium, event.lora_name,
+            None if extras is None else extras[i:j], event.group_idx, event.kv_cache_spec_kind,
+            event.cache_salt if i == 0 else None))
+    return pieces
 
 
 def _exact_tail(by_seq: dict[int, EventBatch], first: int, end: int) -> tuple[list[tuple[int, EventBatch]], int] | None:

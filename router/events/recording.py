@@ -1,4 +1,4 @@
-"""Read recorded event files (the format of ``../shared/fixtures/vllm-0.32.0-cpu/kv_events.jsonl``).
+"""Read (and write) recorded event files (the format of ``../shared/fixtures/vllm-0.32.0-cpu/kv_events.jsonl``).
 
 One JSON object a line: ``{"kind": "pub", "t", "frames_b64"}`` (a live message),
 ``{"kind": "replay", "from_seq", "frames_b64"}`` (one replay reply) or ``{"kind": "request", ...}``.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,3 +33,21 @@ def read_recording(path: str | Path) -> Iterator[Recorded]:
             except (ValueError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: not a recording line: {e}") from None
             yield Recorded(rec.get("kind", "?"), rec.get("t"), frames, rec)
+
+
+def recording_line(rec: Recorded) -> str:
+    """One line of a recording (what ``read_recording`` reads back as ``rec``)."""
+    raw = {k: v for k, v in rec.raw.items() if k not in ("kind", "t", "frames_b64")}
+    out: dict[str, Any] = {"kind": rec.kind}
+    if rec.t is not None:
+        out["t"] = rec.t
+    out.update(raw)
+    if rec.frames or rec.kind != "request":
+        out["frames_b64"] = [base64.b64encode(bytes(f)).decode("ascii") for f in rec.frames]
+    return json.dumps(out)
+
+
+def write_recording(path: str | Path, records: Iterable[Recorded]) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        for rec in records:
+            fh.write(recording_line(rec) + "\n")

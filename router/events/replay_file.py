@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from router.events.codec import MalformedFrame, decode_message, decode_replay_frames
+from router.events.codec import SEQ_BYTES, MalformedFrame, decode_message, decode_replay_frames
 from router.events.feed import IndexFeeder
 from router.events.recording import read_recording
 from router.events.subscriber import Identity, default_identity
@@ -54,10 +54,26 @@ def replay_file(
             try:
                 msg = decode_message(rec.frames)
             except MalformedFrame:
-                report.unattributed_malformed += 1
+                named = _worker_of_broken(rec.frames, identity)
+                if named is None:
+                    report.unattributed_malformed += 1
+                else:
+                    report.feeder.mark_malformed(named)
                 continue
             worker = identity(msg.topic, msg.batch.data_parallel_rank)
             gap = report.feeder.offer(worker, msg.seq, msg.batch, clock)
             if gap is not None:
                 report.feeder.fill_gap(gap, [], msg.batch, clock)
     return report
+
+
+def _worker_of_broken(frames: list[bytes], identity: Identity) -> str | None:
+    """The worker a frame that did not decode names: its topic, when that and its seq frame are well formed
+    (the payload is what broke); ``None`` when the frame cannot name one."""
+    if len(frames) < 2 or len(frames[1]) != SEQ_BYTES:
+        return None
+    try:
+        topic = bytes(frames[0]).decode()
+    except UnicodeDecodeError:
+        return None
+    return identity(topic, None)

@@ -7,6 +7,8 @@ Two topologies (vLLM binds its PUB socket when the endpoint has ``*``/``::`` or 
 
 A gap is filled from the worker's replay socket (DEALER, ``[b"", start_seq]``) before later messages of
 that worker are taken; the feed decides what an unfilled gap means. Bad frames are counted, never fatal.
+Batches are applied in slices with the event loop free between them (``drive``): a huge one costs the
+requests being routed meanwhile a few milliseconds at a time, not a second at once.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from router.events.codec import (
     decode_message,
     decode_replay_frames,
 )
-from router.events.feed import IndexFeeder
+from router.events.feed import IndexFeeder, Steps, T
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,16 @@ async def fetch_replay(
     finally:
         sock.close()
     return out
+
+
+async def drive(steps: Steps[T]) -> T:
+    """Run a stepped feed operation, letting the event loop run between its slices."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        await asyncio.sleep(0)
 
 
 class KvEventSubscriber:
@@ -174,7 +186,7 @@ class KvEventSubscriber:
             log.debug("malformed KV event frame: %s", e)
             return
         worker = worker_id or self.identity(msg.topic, msg.batch.data_parallel_rank)
-        gap = self.feeder.offer(worker, msg.seq, msg.batch, self.clock())
+        gap = await drive(self.feeder.offer_steps(worker, msg.seq, msg.batch, self.clock()))
         if gap is None:
             return
         endpoint = self.replay_endpoints.get(worker)
@@ -183,7 +195,7 @@ class KvEventSubscriber:
             replayed = await fetch_replay(
                 self.ctx, endpoint, gap.first_missing, gap.next_seq, self.replay_timeout_s
             )
-        filled = self.feeder.fill_gap(gap, replayed, msg.batch, self.clock())
+        filled = await drive(self.feeder.fill_gap_steps(gap, replayed, msg.batch, self.clock()))
         log.info(
             "worker %s: gap %d..%d %s", worker, gap.first_missing, gap.next_seq - 1,
             "filled from replay" if filled else "not recoverable, index cleared (unsynced)",
@@ -193,7 +205,7 @@ class KvEventSubscriber:
         """Read the engine's replay buffer once at connect time (the SUB socket is already connected, so
         nothing published meanwhile is lost; what both deliver is skipped as a duplicate)."""
         replayed = await fetch_replay(self.ctx, self.replay_endpoints[worker_id], 0, None, self.replay_timeout_s)
-        if self.feeder.bootstrap(worker_id, replayed, self.clock()):
+        if await drive(self.feeder.bootstrap_steps(worker_id, replayed, self.clock())):
             log.info("worker %s: %d batches replayed at connect, index synced", worker_id, len(replayed))
 
     def _identity_of_broken(self, frames: list[bytes]) -> str | None:

@@ -4,17 +4,31 @@ Used by the tests and printed by ``kvrouter envoy-config``; docs/envoy.md walks 
 cluster lists the workers (STATIC here; EDS or an InferencePool in Kubernetes) with the ``override_host``
 load-balancing policy reading the picker's ``envoy.lb`` metadata, an ordered list: a retry on connect
 failure walks it (``previous_hosts`` keeps a dead host from being tried twice).
+
+Only the OpenAI API paths (``router/frontends/api_paths.API_PATHS``, exact matches) are routed to the pool;
+every other path, the engines' control paths (``/reset_prefix_cache``, ``/fault``, ``/metrics`` ...) included,
+is answered 404 by Envoy itself (a ``direct_response`` route with ext_proc disabled), so neither the picker
+nor a worker ever sees it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from router.frontends.api_paths import API_PATHS
+
+EXT_PROC = "envoy.filters.http.ext_proc"
+# vLLM's error shape (router/frontends/openai.error_response), answered by Envoy for a path it does not route
+NOT_FOUND_BODY = json.dumps({"object": "error", "message": "Not Found: this gateway serves only the OpenAI API "
+                             "paths " + ", ".join(API_PATHS), "type": "NotFoundError", "param": None, "code": 404},
+                            separators=(",", ":"))
 
 
 def bootstrap(*, listen_port: int, admin_port: int, picker_port: int, workers: list[str],
@@ -32,7 +46,7 @@ def bootstrap(*, listen_port: int, admin_port: int, picker_port: int, workers: l
     if streamed:  # Envoy refuses FULL_DUPLEX_STREAMED unless trailers are sent too
         processing_mode |= {"request_trailer_mode": "SEND", "response_trailer_mode": "SEND"}
     ext_proc = {
-        "name": "envoy.filters.http.ext_proc",
+        "name": EXT_PROC,
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": "kvrouter_epp"}, "timeout": "10s"},
@@ -44,9 +58,9 @@ def bootstrap(*, listen_port: int, admin_port: int, picker_port: int, workers: l
             "response_attributes": ["upstream.address", "upstream.request_attempt_count"],
         },
     }
-    route = {
-        "match": {"prefix": "/"},
-        "route": {
+
+    def forward() -> dict[str, Any]:  # one copy per route (no YAML anchors in the printed config)
+        return {
             "cluster": "inference_pool",
             "timeout": "600s",
             "retry_policy": {
@@ -58,17 +72,37 @@ def bootstrap(*, listen_port: int, admin_port: int, picker_port: int, workers: l
                 "host_selection_retry_max_attempts": 5,
                 "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.05s"},
             },
-        },
+        }
+
+    # ``path`` is an exact match on :path without its query string (``/v1/models?x=1`` matches ``/v1/models``)
+    routes: list[dict[str, Any]] = [{
+        "match": {"path": path},
+        "route": forward(),
         "per_request_buffer_limit_bytes": buffer_limit_bytes,  # large bodies can be buffered and retried
+    } for path in API_PATHS]
+    not_found: dict[str, Any] = {
+        "name": "not_found",
+        "match": {"prefix": "/"},
+        "direct_response": {"status": 404, "body": {"inline_string": NOT_FOUND_BODY}},
+        "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"},
+                                     "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
     }
+    if with_picker:  # the picker never hears of a path the gateway refuses
+        not_found["typed_per_filter_config"] = {EXT_PROC: {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "disabled": True}}
+    routes.append(not_found)
     hcm = {
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
                      "HttpConnectionManager",
             "stat_prefix": "ingress",
+            # routing sees the path the worker will get: dot segments resolved, "//" merged
+            "normalize_path": True,
+            "merge_slashes": True,
             "route_config": {"name": "local", "virtual_hosts": [{"name": "all", "domains": ["*"],
-                                                                  "routes": [route]}]},
+                                                                  "routes": routes}]},
             "http_filters": [ext_proc] * with_picker + [{"name": "envoy.filters.http.router", "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
         },

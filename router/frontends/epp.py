@@ -7,6 +7,11 @@ with the routing core, and answer with the ``x-gateway-destination-endpoint`` he
 client's) and the ``envoy.lb`` dynamic metadata holding the primary and fallbacks. Response phase: the
 served endpoint (``upstream.address``), the first byte, the usage and the end keep the in-flight accounting
 right. No eligible endpoint is an ImmediateResponse 503 with the reason; saturation a 429 with Retry-After.
+
+Bad input is answered here, as the proxy answers it: a body over ``max_body_bytes`` is a 413 before it is
+all read, a malformed one a 400 with the reason; parsing runs off the event loop; with a trusted tenant
+header configured the client's ``cache_salt`` is never used; the in-flight accounting is keyed by an id the
+picker makes (the client's ``x-request-id`` reaches the worker untouched, it is not trusted here).
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.config import RouterConfig
+from router.frontends.api_paths import GENERATE_PATHS, is_api_path
 from router.frontends.fleet import Fleet, fleet_from_config
 from router.frontends.metrics import RouterMetrics
-from router.frontends.openai import BadRequest, parse_body
+from router.frontends.openai import BadRequest, RequestParser, salt_rule
 from router.frontends.proxy import cached_tokens_from
 from router.scheduling import Decision, RouteRequest, RoutingCore
 from router.tokenizer import PromptTokenizer
@@ -45,7 +51,6 @@ SERVED_KEY = "x-gateway-destination-endpoint-served"
 MAX_CHUNK = 62_000  # as the reference picker: under Envoy's default 64 KiB gRPC frame for body chunks
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 FULL_DUPLEX = 4  # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 @dataclass
@@ -64,6 +69,7 @@ class _Stream:
     streamed: bool = False
     tail: bytes = b""
     status: str = "200"
+    refused: bool = False  # answered with an ImmediateResponse: nothing more to read from this stream
 
 
 def _header_mutation(address: str) -> pb.HeaderMutation:
@@ -100,14 +106,19 @@ def _headers_of(msg: pb.HttpHeaders) -> dict[str, str]:
 class EndpointPicker(pb_grpc.ExternalProcessorServicer):
     def __init__(self, core: RoutingCore, fleet: Fleet, tokenizer_for: Callable[[str | None], PromptTokenizer],
                  block_size: int, metrics: RouterMetrics, tenant_header: str | None = None,
-                 fallbacks: int = 2) -> None:
+                 fallbacks: int = 2, *, tenant_missing: str = "reject", session_header: str = "x-session-id",
+                 max_body_bytes: int = 32 * 1024 * 1024) -> None:
         self.core = core
         self.fleet = fleet
         self.tokenizer_for = tokenizer_for
         self.block_size = block_size
         self.metrics = metrics
         self.tenant_header = tenant_header.lower() if tenant_header else None
+        self.tenant_missing = tenant_missing
+        self.session_header = session_header.lower()
+        self.max_body_bytes = max_body_bytes
         self.fallbacks = fallbacks
+        self.parser = RequestParser(tokenizer_for)
 
     def _address_to_worker(self, address: str) -> str | None:
         for wid, ep in self.core.endpoints.items():
@@ -120,20 +131,30 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         st = _Stream(started=time.monotonic())
         try:
             async for req in request_iterator:
+                if st.refused:
+                    return  # the client has its answer; Envoy closes the stream
                 kind = req.WhichOneof("request")
                 if req.HasField("protocol_config"):
                     st.full_duplex = req.protocol_config.request_body_mode == FULL_DUPLEX
                 if kind == "request_headers":
                     st.headers = _headers_of(req.request_headers)
                     st.subset = self._subset(req)
-                    if req.request_headers.end_of_stream:  # no body (GET /v1/models): any ready endpoint
+                    if not is_api_path(st.headers.get(":path", "")):  # worker control paths never pass
+                        st.refused = True
+                        self.metrics.requests.labels("404").inc()
+                        yield _immediate(404, f"no such path: {st.headers.get(':path', '')[:200]}")
+                    elif req.request_headers.end_of_stream:  # no body (GET /v1/models): any ready endpoint
                         yield self._route_bodyless(st)
                     elif not st.full_duplex:
                         yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
                 elif kind == "request_body":
                     st.body += req.request_body.body
-                    if req.request_body.end_of_stream:
-                        for out in self._route(st):
+                    if len(st.body) > self.max_body_bytes:
+                        st.refused = True
+                        self.metrics.requests.labels("413").inc()
+                        yield _immediate(413, f"request body over the {self.max_body_bytes}-byte limit")
+                    elif req.request_body.end_of_stream:
+                        for out in await self._route(st):
                             yield out
                 elif kind == "request_trailers":
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
@@ -186,27 +207,29 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 header_mutation=_header_mutation(addrs[0]), clear_route_cache=True)),
             dynamic_metadata=_lb_metadata(addrs))
 
-    def _route(self, st: _Stream) -> list[pb.ProcessingResponse]:
+    async def _route(self, st: _Stream) -> list[pb.ProcessingResponse]:
         path = st.headers.get(":path", "").split("?")[0]
         body = bytes(st.body)
-        if not path.endswith(GENERATE_PATHS):
+        if path.rstrip("/") not in GENERATE_PATHS:
             rreq = RouteRequest(uuid.uuid4().hex, [], 0, self.block_size, 1, subset=st.subset)
         else:
-            tenant = st.headers.get(self.tenant_header) if self.tenant_header else None
             try:
-                parsed = parse_body(body, path, self.tokenizer_for, forced_salt=tenant)
+                salt = salt_rule(st.headers, self.tenant_header, self.tenant_missing)
+                parsed = await self.parser.parse(body, path, salt, self.fleet.max_model_len())
             except BadRequest as e:
+                st.refused = True
                 self.metrics.requests.labels(str(e.status)).inc()
                 return [_immediate(e.status, str(e))]
-            if tenant is not None:
-                body = json.dumps(parsed.body).encode()
-            rreq = parsed.route_request(st.headers.get("x-request-id") or uuid.uuid4().hex, self.block_size,
-                                        session=st.headers.get("x-session-id"), subset=st.subset)
+            body = parsed.raw
+            lora = parsed.model if parsed.model and self._is_lora(parsed.model) else None
+            rreq = parsed.route_request(uuid.uuid4().hex, self.block_size, lora=lora,
+                                        session=st.headers.get(self.session_header), subset=st.subset)
             st.streamed = parsed.stream
         decision = self.core.decide(rreq, time.monotonic())
         credited = any(c.prefix_credit for c in decision.candidates if not c.filtered)
         self.metrics.decisions.labels(decision.policy, decision.outcome, str(credited).lower()).inc()
         if decision.outcome != "routed":
+            st.refused = True
             return [self._refusal(decision)]
         addrs = self._addresses(decision)
         st.rreq, st.decision, st.worker = rreq, decision, decision.ranked[0]
@@ -224,6 +247,9 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
                     body=chunk, end_of_stream=i == len(chunks) - 1))))))
         return out
+
+    def _is_lora(self, model: str) -> bool:
+        return any(model in ep.loras for ep in self.core.endpoints.values())
 
     def _addresses(self, decision: Decision) -> list[str]:
         ids = decision.ranked[: 1 + self.fallbacks]
@@ -285,8 +311,8 @@ def update_readiness(servicer: health.HealthServicer, core: RoutingCore, clock) 
     now = clock()
     eps = list(core.endpoints.values())
     ready = bool(eps) and any(ep.healthy for ep in eps) and all(
-        core.index_state(ep.worker_id, now) in ("synced", "no-events") and core.fresh_metrics(ep.worker_id)
-        is not None for ep in eps if ep.healthy)
+        core.index_state(ep.worker_id, now) in ("synced", "unverified", "no-events")
+        and core.fresh_metrics(ep.worker_id, now) is not None for ep in eps if ep.healthy)
     status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
     servicer.set("readiness", status)
     servicer.set(SERVICE_NAME, status)
@@ -310,7 +336,8 @@ async def run_epp(config: RouterConfig, started: asyncio.Event | None = None) ->
         return load_tokenizer(config.tokenizers.get(model or "", config.tokenizer))
 
     picker = EndpointPicker(core, fleet, tokenizer_for, config.routing.block_size, metrics, config.tenant_header,
-                            config.epp.fallbacks)
+                            config.epp.fallbacks, tenant_missing=config.tenant_missing,
+                            session_header=config.session_header, max_body_bytes=config.max_body_bytes)
 
     async def prometheus(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(metrics.registry), content_type="text/plain", charset="utf-8")
@@ -339,7 +366,8 @@ async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, por
     from router.frontends.rank import RankService
     from router.gen import picker_pb2_grpc
 
-    picker_pb2_grpc.add_PickerServicer_to_server(RankService(core, picker.tokenizer_for, picker.block_size), server)
+    picker_pb2_grpc.add_PickerServicer_to_server(
+        RankService(core, picker.tokenizer_for, picker.block_size, fleet.max_model_len), server)
     hs = health_servicer(fleet)
     server.add_insecure_port(f"{host}:{port}")
     health_server = None

@@ -23,11 +23,15 @@ from router.scheduling import Endpoint, RoutingCore
 
 log = logging.getLogger(__name__)
 
+# the prompt budget until some worker reports its max_model_len (vLLM's /v1/models does): refuses only what
+# no model served today could take
+DEFAULT_MAX_MODEL_LEN = 1 << 20
+
 
 def fleet_from_config(core: RoutingCore, config: RouterConfig) -> Fleet:
     k8s = config.kubernetes
     fleet = Fleet(core, probe_interval_s=config.probe_interval_s, events_bind=config.events_bind,
-                  workers_file=config.workers_file,
+                  workers_file=config.workers_file, max_model_len=config.max_model_len,
                   kubernetes=(k8s.namespace, k8s.pool, k8s.events_by_default, k8s.kubeconfig) if k8s.pool else None)
     for spec in config.workers:
         fleet.add(spec)
@@ -46,8 +50,10 @@ class Fleet:
         workers_file: str | None = None,
         file_poll_s: float = 1.0,
         kubernetes: tuple[str, str, bool, str | None] | None = None,
+        max_model_len: int | None = None,
     ) -> None:
-        """``kubernetes``: (namespace, InferencePool, events on :5557 by default, kubeconfig or None) to watch."""
+        """``kubernetes``: (namespace, InferencePool, events on :5557 by default, kubeconfig or None) to watch.
+        ``max_model_len``: the prompt budget, overriding what the workers report."""
         self.core = core
         self.clock = time.monotonic
         self.probe_interval_s = probe_interval_s
@@ -57,6 +63,8 @@ class Fleet:
         self.file_poll_s = file_poll_s
         self.specs: dict[str, WorkerSpec] = {}
         self.failures: dict[str, int] = {}
+        self.max_model_len_override = max_model_len
+        self.context_lens: dict[str, int] = {}  # worker -> the largest max_model_len its /v1/models reports
         self.subscriber = KvEventSubscriber(core.feeder, bind=events_bind, clock=self.clock)
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
@@ -95,6 +103,7 @@ class Fleet:
 
     def remove(self, worker_id: str) -> None:
         self.specs.pop(worker_id, None)
+        self.context_lens.pop(worker_id, None)
         self.subscriber.remove_source(worker_id)
         self.core.remove_endpoint(worker_id)
 
@@ -104,6 +113,16 @@ class Fleet:
             return False
         ep.draining = draining
         return True
+
+    def max_model_len(self) -> int:
+        """The most tokens a request may need: the configured limit, else the largest context any worker
+        reports (the default while some worker has not said)."""
+        if self.max_model_len_override:
+            return self.max_model_len_override
+        known = [self.context_lens.get(wid) for wid in self.specs]
+        if not known or None in known:
+            return max([DEFAULT_MAX_MODEL_LEN, *(n for n in known if n)])
+        return max(n for n in known if n)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -179,6 +198,8 @@ class Fleet:
                 async with self._session.get(spec.url + "/metrics") as r:
                     if r.status == 200:
                         self.core.update_metrics(worker_id, parse_engine_metrics(await r.text(), self.clock()))
+            if ok and worker_id not in self.context_lens:
+                await self._learn_context(worker_id, spec.url)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             log.debug("probe of %s failed: %r", worker_id, e)
             ok = False
@@ -190,9 +211,26 @@ class Fleet:
         else:
             self.mark_failure(worker_id)
 
+    async def _learn_context(self, worker_id: str, url: str) -> None:
+        """The largest ``max_model_len`` in the worker's ``/v1/models`` (vLLM and SGLang report it per model)."""
+        assert self._session is not None
+        async with self._session.get(url + "/v1/models") as r:
+            if r.status != 200:
+                return
+            data = await r.json(content_type=None)
+        models = data.get("data") if isinstance(data, dict) else None
+        lens = [m.get("max_model_len") for m in models or [] if isinstance(m, dict)]
+        lens = [n for n in lens if type(n) is int and n > 0]
+        if lens:
+            self.context_lens[worker_id] = max(lens)
+
     def mark_failure(self, worker_id: str) -> None:
+        """A probe or a request failed: the worker loses prefix credit at once (it may be restarting), and after
+        ``unhealthy_after`` failures in a row it stops being a candidate."""
         n = self.failures.get(worker_id, 0) + 1
         self.failures[worker_id] = n
+        self.context_lens.pop(worker_id, None)  # a restarted engine may serve another context length
+        self.core.worker_failed(worker_id, self.clock())
         ep = self.core.endpoints.get(worker_id)
         if ep is not None and n >= self.unhealthy_after and ep.healthy:
             log.warning("worker %s marked unhealthy after %d failures", worker_id, n)

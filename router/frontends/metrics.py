@@ -42,7 +42,7 @@ class _FleetState:
             pending.add_metric([wid], load.pending_prefill_tokens if load else 0)
             st = core.index_state(wid, now)
             stale += st != "synced"
-            for s in ("synced", "unsynced", "stale", "no-events"):
+            for s in ("synced", "unsynced", "unverified", "stale", "no-events"):
                 state.add_metric([wid, s], 1.0 if s == st else 0.0)
             healthy.add_metric([wid], 1.0 if ep.healthy and not ep.draining else 0.0)
             for medium, n in core.index.blocks_held(wid).items():
@@ -69,6 +69,8 @@ class RouterMetrics:
         self.decisions = Counter("kvrouter_decisions", "Routing decisions.", ["policy", "outcome", "credit"],
                                  registry=r)
         self.requests = Counter("kvrouter_requests", "Requests by final status.", ["status"], registry=r)
+        self.truncated = Counter("kvrouter_responses_truncated", "Responses a worker failed in the middle of: "
+                                 "ended to the client as an error, never as a clean end.", registry=r)
         self.retries = Counter("kvrouter_retries", "Requests retried on the next-best worker.", registry=r)
         self.hit_estimated = Counter("kvrouter_prefix_hit_tokens_estimated",
                                      "Prompt tokens the router expected cached on the chosen worker.", registry=r)

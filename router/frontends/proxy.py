@@ -1,16 +1,20 @@
 """``kvrouter serve``: a standalone OpenAI-compatible proxy in front of the workers.
 
-Per request: read the body once, tokenize (chat through the model's template), key the blocks, ask the
-routing core, forward the body unchanged (except a ``cache_salt`` forced from a trusted tenant header) and
-stream the answer back chunk by chunk. A connection error or a 5xx before any byte reached the client is
-retried on the next-best worker; nothing is retried once the client has bytes. Where a request goes is
-decided here alone: client headers naming a destination are ignored and never forwarded.
+Per request: read the body once, tokenize (chat through the model's template) off the event loop, key the
+blocks, ask the routing core, forward the body unchanged (except a ``cache_salt`` set from a trusted tenant
+header) and stream the answer back chunk by chunk. A connection error or a 5xx before any byte reached the
+client is retried on the next-best worker; nothing is retried once the client has bytes, and a worker that
+fails after that ends the client's response as an error (an SSE error event, then the connection cut),
+never as a clean end. Where a request goes is decided here alone: client headers naming a destination are
+ignored and never forwarded, and the router keys its accounting by an id of its own (the client's
+``x-request-id`` is passed along, never trusted). Only the OpenAI API paths are served.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import time
@@ -24,7 +28,7 @@ from prometheus_client import generate_latest
 from router.config import RouterConfig
 from router.frontends.fleet import fleet_from_config
 from router.frontends.metrics import RouterMetrics
-from router.frontends.openai import BadRequest, ParsedRequest, parse_body
+from router.frontends.openai import BadRequest, ParsedRequest, RequestParser, salt_rule
 from router.frontends.openai import error_response as error
 from router.scheduling import Decision, RoutingCore
 from router.tokenizer import PromptTokenizer, load_tokenizer
@@ -59,6 +63,7 @@ class ProxyServer:
         self.fleet = fleet_from_config(self.core, config)
         self.metrics = RouterMetrics(self.fleet)
         self.decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=config.decision_log_size)
+        self.parser = RequestParser(self.tokenizer_for)
         self._session: aiohttp.ClientSession | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -72,6 +77,7 @@ class ProxyServer:
         await self.fleet.stop()
         if self._session is not None:
             await self._session.close()
+        self.parser.close()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
@@ -108,22 +114,21 @@ class ProxyServer:
             self.metrics.requests.labels("413").inc()
             return error(413, f"request body over the {self.config.max_body_bytes}-byte limit",
                          "RequestEntityTooLarge")
-        tenant = request.headers.get(self.config.tenant_header) if self.config.tenant_header else None
         try:
-            parsed = parse_body(raw, request.path, self.tokenizer_for, forced_salt=tenant)
+            salt = salt_rule(request.headers, self.config.tenant_header, self.config.tenant_missing)
+            parsed = await self.parser.parse(raw, request.path, salt, self.fleet.max_model_len())
         except BadRequest as e:
             self.metrics.requests.labels(str(e.status)).inc()
-            return error(e.status, str(e), "NotFoundError" if e.status == 404 else "BadRequestError")
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+            return error(e.status, str(e), e.kind)
+        rid = uuid.uuid4().hex  # ours: a client's x-request-id is forwarded, never used as a key
         lora = parsed.model if parsed.model and self._is_lora(parsed.model) else None
         rreq = parsed.route_request(rid, self.config.routing.block_size, lora=lora,
                                     session=request.headers.get(self.config.session_header))
-        now = time.monotonic()
-        decision = self.core.decide(rreq, now)
-        self.metrics.decision_seconds.observe(now - started)
+        decision = self.core.decide(rreq, time.monotonic())
+        self.metrics.decision_seconds.observe(time.monotonic() - started)
         credited = any(c.prefix_credit for c in decision.candidates if not c.filtered)
         self.metrics.decisions.labels(decision.policy, decision.outcome, str(credited).lower()).inc()
-        self._log_decision(rid, rreq.prompt_tokens, decision)
+        self._log_decision(rid, request.headers.get("x-request-id"), rreq.prompt_tokens, decision)
         if decision.outcome == "shed":
             self.metrics.requests.labels("429").inc()
             return error(429, "all workers are saturated; retry later", "TooManyRequests",
@@ -131,10 +136,9 @@ class ProxyServer:
         if decision.outcome != "routed":
             self.metrics.requests.labels("503").inc()
             return error(503, decision.reason, "ServiceUnavailableError")
-        body = json.dumps(parsed.body).encode() if tenant is not None else raw
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() not in HOP_BY_HOP and k.lower() not in DESTINATION_HEADERS}
-        return await self._forward(request, rreq, parsed, decision, body, headers, started)
+        drop = HOP_BY_HOP | DESTINATION_HEADERS | ({self.config.tenant_header.lower()} if salt.salt else set())
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
+        return await self._forward(request, rreq, parsed, decision, parsed.raw, headers, started)
 
     async def _forward(self, request: web.Request, rreq: Any, parsed: ParsedRequest, decision: Decision,
                        body: bytes, headers: dict[str, str], started: float) -> web.StreamResponse:
@@ -197,13 +201,14 @@ class ProxyServer:
             self.core.completed(rid, time.monotonic())
             self.metrics.requests.labels("499").inc()
             raise
-        except aiohttp.ClientError as e:  # the worker died mid-stream: nothing can be retried now
+        except (aiohttp.ClientError, TimeoutError) as e:  # the worker died mid-response: nothing can be retried
             log.warning("worker %s failed mid-response for %s: %r", wid, rid, e)
             upstream.close()
             self.fleet.mark_failure(wid)
             self.core.completed(rid, time.monotonic())
             self.metrics.requests.labels("502").inc()
-            resp.force_close()
+            self.metrics.truncated.inc()
+            await self._abort(request, resp, streamed and upstream.status == 200, f"worker {wid} failed: {e!r}")
             return resp
         now = time.monotonic()
         if not streamed:
@@ -224,11 +229,24 @@ class ProxyServer:
             self.metrics.prompt_tokens.inc(rreq.prompt_tokens)
         return resp
 
+    @staticmethod
+    async def _abort(request: web.Request, resp: web.StreamResponse, sse: bool, message: str) -> None:
+        """End a response the client already has bytes of as a failure it can see: a stream gets an SSE error
+        event (what vLLM sends, and what the OpenAI SDK raises on), then the connection is cut before the
+        terminating chunk, so no client reads a truncated answer as a finished one."""
+        if sse:
+            event = {"error": {"message": message, "type": "BadGatewayError", "param": None, "code": 502}}
+            with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+                await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        if request.transport is not None:
+            request.transport.close()  # flushes what was written, then closes: chunked encoding left unfinished
+
     def _is_lora(self, model: str) -> bool:
         return any(model in ep.loras for ep in self.core.endpoints.values())
 
-    def _log_decision(self, rid: str, prompt_tokens: int, decision: Decision) -> None:
-        entry = {"request_id": rid, "time": time.time(), "prompt_tokens": prompt_tokens, **decision.as_dict()}
+    def _log_decision(self, rid: str, client_rid: str | None, prompt_tokens: int, decision: Decision) -> None:
+        entry = {"request_id": rid, "client_request_id": client_rid, "time": time.time(),
+                 "prompt_tokens": prompt_tokens, **decision.as_dict()}
         self.decisions.append(entry)
         log.info("route %s -> %s (%s; %s)", rid, decision.chosen, decision.outcome, decision.reason)
 
@@ -260,7 +278,9 @@ class ProxyServer:
             n = int(request.query.get("n", "20"))
         except ValueError:
             return error(400, "n must be an integer")
-        return web.json_response({"decisions": list(self.decisions)[-n:]})
+        if n < 0:
+            return error(400, "n must not be negative")
+        return web.json_response({"decisions": list(self.decisions)[-n:] if n else []})
 
     async def workers_state(self, request: web.Request) -> web.Response:
         now = time.monotonic()

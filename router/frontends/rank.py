@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable
@@ -21,30 +22,37 @@ OUTCOMES = {"routed": pb.RankResponse.ROUTED, "shed": pb.RankResponse.SHED,
 
 class RankService(pb_grpc.PickerServicer):
     def __init__(self, core: RoutingCore, tokenizer_for: Callable[[str | None], PromptTokenizer],
-                 block_size: int) -> None:
+                 block_size: int, max_model_len: Callable[[], int | None] = lambda: None) -> None:
         self.core = core
         self.tokenizer_for = tokenizer_for
         self.block_size = block_size
+        self.max_model_len = max_model_len
 
     def tokens(self, req: pb.RankRequest) -> list[int]:
+        """The prompt's token ids, checked as the HTTP front ends check them (bounded, inside the vocabulary)."""
         kind = req.WhichOneof("prompt")
-        tok = self.tokenizer_for(req.model or None)
+        try:
+            tok = self.tokenizer_for(req.model or None)
+        except KeyError:
+            raise BadRequest(f"The model `{req.model}` does not exist.", 404) from None
+        budget = self.max_model_len()
         try:
             if kind == "text":
-                return tok.encode(req.text)
+                return tok.encode(req.text, budget)
             if kind == "token_ids":
-                return list(req.token_ids.ids)
+                return tok.check_ids(list(req.token_ids.ids), budget)
             if kind == "chat":
-                return tok.encode_chat([{"role": m.role, "content": m.content} for m in req.chat.messages])
+                return tok.encode_chat([{"role": m.role, "content": m.content} for m in req.chat.messages], budget)
         except PromptError as e:
             raise BadRequest(str(e)) from None
         raise BadRequest("one of text, token_ids or chat is required")
 
     async def Rank(self, request: pb.RankRequest, context: grpc.aio.ServicerContext) -> pb.RankResponse:
         try:
-            ids = self.tokens(request)
+            ids = await asyncio.to_thread(self.tokens, request)  # tokenizing releases the GIL: off the loop
         except BadRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            code = grpc.StatusCode.NOT_FOUND if e.status == 404 else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(e))
         keys = request_keys(ids, self.block_size, lora_name=request.lora or None,
                             cache_salt=request.cache_salt or None)
         rreq = RouteRequest(uuid.uuid4().hex, keys, len(ids), self.block_size, request.max_tokens or 16,

@@ -81,15 +81,19 @@ class RoutingCore:
         """What the worker's GPU cache holds, by the index."""
         return self.index.blocks_held_on(worker_id, Medium.GPU) * self.config.block_size
 
-    def fresh_metrics(self, worker_id: str) -> EngineMetrics | None:
+    def fresh_metrics(self, worker_id: str, now: float | None = None) -> EngineMetrics | None:
+        """The worker's engine metrics if scraped within ``metrics_max_age_s`` of ``now`` (default: the time of
+        the decision being made)."""
         m = self.metrics.get(worker_id)
-        return m.fresh(self._now, self.config.metrics_max_age_s) if m else None
+        return m.fresh(self._now if now is None else now, self.config.metrics_max_age_s) if m else None
 
     def index_state(self, worker_id: str, now: float) -> str:
-        """synced | unsynced | stale | no-events: only 'synced' earns prefix credit.
+        """synced | unsynced | unverified | stale | no-events: only 'synced' earns prefix credit. A query: no
+        side effects.
 
-        A worker not heard from yet counts as synced and empty (that never over-credits it). It turns
-        stale when it has been taking requests for ``stale_after_s`` without publishing a single event.
+        A worker not heard from yet counts as synced and empty (that never over-credits it). It is unverified
+        after failing to answer, until its next batch shows whether it restarted. It turns stale when it has
+        been taking requests for ``stale_after_s`` without publishing a single event.
         """
         ep = self.endpoints.get(worker_id)
         if ep is not None and not ep.events:
@@ -97,13 +101,22 @@ class RoutingCore:
         feed = self.feeder.feeds.get(worker_id)
         if feed is not None and not feed.synced:
             return "unsynced"
+        if feed is not None and feed.suspect_since is not None:
+            return "unverified"
         since = self._awaiting_events_since.get(worker_id)
-        if since is not None:
-            if feed is not None and feed.last_event_at is not None and feed.last_event_at >= since:
-                del self._awaiting_events_since[worker_id]  # events came after that dispatch
-            elif now - since > self.config.stale_after_s:
-                return "stale"
+        if since is not None and not self._heard_since(worker_id, since) and now - since > self.config.stale_after_s:
+            return "stale"
         return "synced"
+
+    def _heard_since(self, worker_id: str, since: float) -> bool:
+        feed = self.feeder.feeds.get(worker_id)
+        return feed is not None and feed.last_event_at is not None and feed.last_event_at >= since
+
+    def worker_failed(self, worker_id: str, now: float) -> None:
+        """A worker failed to answer (probe or request): it may be restarting with an empty cache, so its
+        prefix credit, from the index and from what was just sent there, ends until its events prove its state."""
+        self.feeder.suspend(worker_id, now)
+        self.speculative.forget_worker(worker_id)
 
     def memory_wait_s(self, worker_id: str, req: RouteRequest, load: WorkerLoad | None, capacity: int | None,
                       now: float) -> float:
@@ -203,7 +216,9 @@ class RoutingCore:
             uncached, predicted = decision.uncached_tokens, decision.predicted_ttft_s
         self.load.dispatch(req.request_id, worker_id, req.prompt_tokens, uncached, req.max_tokens, now, predicted,
                            req.keys, req.block_size)
-        self._awaiting_events_since.setdefault(worker_id, now)
+        since = self._awaiting_events_since.get(worker_id)
+        if since is None or self._heard_since(worker_id, since):  # the first dispatch not yet followed by events
+            self._awaiting_events_since[worker_id] = now
         if req.keys:
             self.speculative.record(worker_id, req.keys, now)
         self.policy.on_dispatch(req, worker_id, now)
