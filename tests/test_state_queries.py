@@ -1,0 +1,130 @@
+"""Issue 13, pure core: queries without side effects, failed workers lose credit until events prove their
+state, huge events applied in slices with the same result."""
+
+import random
+
+from router.events.codec import BlockRemoved, BlockStored, EventBatch
+from router.events.feed import SLICE_BLOCKS, IndexFeeder, _slices
+from router.index import KvIndex, Medium
+from router.keys import request_keys
+from router.scheduling import Endpoint, RouteRequest, RoutingConfig, RoutingCore
+
+BS = 16
+
+
+def core_with(n: int) -> RoutingCore:
+    core = RoutingCore(RoutingConfig(policy="precise", block_size=BS, seed=1))
+    for i in range(n):
+        core.upsert_endpoint(Endpoint(f"w{i}", f"10.0.0.{i}:8000"))
+    return core
+
+
+def stored_batch(tokens: list[int], first_hash: int, now: float) -> EventBatch:
+    n = len(tokens) // BS
+    return EventBatch(now, [BlockStored(list(range(first_hash, first_hash + n)), None, tokens[: n * BS], BS,
+                                        None, "GPU")], 0)
+
+
+def route(tokens: list[int], rid: str = "r") -> RouteRequest:
+    return RouteRequest(rid, request_keys(tokens, BS), len(tokens), BS)
+
+
+def credit_of(core: RoutingCore, tokens: list[int], worker: str, now: float) -> int:
+    d = core.decide(route(tokens), now)
+    c = next(c for c in d.candidates if c.worker_id == worker)
+    return c.matched_gpu if c.prefix_credit else 0
+
+
+def test_status_of_a_worker_never_heard_from_creates_nothing():
+    feeder = IndexFeeder(KvIndex(), block_size=BS)
+    for _ in range(3):
+        assert feeder.status("w", now=1.0).state == "unsynced"
+    assert "w" not in feeder.feeds  # the old status() created a feed, turning an unknown worker unsynced
+
+
+def test_index_state_is_a_query():
+    core = core_with(2)
+    tokens = list(range(64))
+    core.feeder.offer("w0", 0, stored_batch(tokens, 1, 0.0), 0.0)
+    d = core.decide(route(tokens), 0.1)
+    core.dispatched(route(tokens), "w0", d, 0.1)
+    core.feeder.offer("w0", 1, stored_batch(tokens[::-1], 100, 0.2), 0.2)  # events after the dispatch
+    awaiting = dict(core._awaiting_events_since)
+    feeds = set(core.feeder.feeds)
+    for now in (0.3, 50.0, 0.3):
+        assert core.index_state("w0", now) == "synced"
+        assert core.index_state("w1", now) == "synced"
+    assert core._awaiting_events_since == awaiting and set(core.feeder.feeds) == feeds
+    # a later dispatch with no events after it is still seen going stale, and the query stays pure
+    core.dispatched(route(tokens, "r2"), "w0", d, 1.0)
+    assert core.index_state("w0", 1.0 + core.config.stale_after_s + 1) == "stale"
+    assert core.index_state("w0", 1.5) == "synced"
+
+
+def test_a_failed_worker_loses_credit_until_its_next_batch():
+    core = core_with(2)
+    tokens = list(range(37 * BS))
+    core.feeder.offer("w0", 0, stored_batch(tokens, 1, 0.0), 0.0)
+    assert credit_of(core, tokens, "w0", 0.1) == 37
+    d = core.decide(route(tokens), 0.1)
+    core.dispatched(route(tokens, "r1"), "w0", d, 0.1)  # speculative credit too
+    core.worker_failed("w0", 0.2)
+    assert core.index_state("w0", 0.3) == "unverified"
+    assert credit_of(core, tokens, "w0", 0.3) == 0  # neither index nor speculative credit
+    # the same process goes on (seq 1): its index was right all along, credit comes back untouched
+    core.feeder.offer("w0", 1, EventBatch(0.4, [BlockRemoved([999], "GPU")], 0), 0.4)
+    assert core.index_state("w0", 0.5) == "synced" and credit_of(core, tokens, "w0", 0.5) == 37
+
+
+def test_a_restarted_worker_is_exact_from_its_first_batch():
+    core = core_with(2)
+    tokens = list(range(37 * BS))
+    for seq in range(3):
+        core.feeder.offer("w0", seq, stored_batch(tokens[seq * BS:], 1 + 100 * seq, 0.0), 0.0)
+    core.worker_failed("w0", 1.0)
+    assert credit_of(core, tokens, "w0", 1.1) == 0
+    # the new process's first batch (seq 0) clears what the dead one held
+    other = [t + 5000 for t in range(2 * BS)]
+    core.feeder.offer("w0", 0, stored_batch(other, 7, 1.2), 1.2)
+    assert core.index_state("w0", 1.3) == "synced"
+    assert credit_of(core, tokens, "w0", 1.3) == 0 and credit_of(core, other, "w0", 1.3) == 2
+    assert core.feeder.feeds["w0"].resets == 1
+
+
+def test_failing_a_worker_never_heard_from_changes_nothing():
+    core = core_with(1)
+    core.worker_failed("w0", 0.0)
+    assert core.index_state("w0", 0.1) == "synced" and "w0" not in core.feeder.feeds
+
+
+def test_a_huge_stored_event_in_slices_is_the_same_index():
+    rng = random.Random(3)
+    n = 3 * SLICE_BLOCKS + 17
+    tokens = [rng.randrange(4000) for _ in range(n * BS)]
+    event = BlockStored(list(range(1, n + 1)), None, tokens, BS, None, "GPU", "lora-a", None, 0, None, "salt")
+    pieces = _slices(event, SLICE_BLOCKS)
+    assert len(pieces) == 4 and sum(len(p.block_hashes) for p in pieces) == n
+    sliced = IndexFeeder(KvIndex(), block_size=BS)
+    steps = sliced.offer_steps("w", 0, EventBatch(0.0, [event], 0), 0.0)
+    yielded = sum(1 for _ in steps)
+    assert yielded >= 3  # the loop gets control back between slices
+    whole = KvIndex()
+    from router.keys import chain_keys, request_extras
+
+    whole.store("w", event.block_hashes, chain_keys(tokens, BS, extras=request_extras(n, "lora-a", "salt")),
+                Medium.GPU)
+    keys = request_keys(tokens, BS, lora_name="lora-a", cache_salt="salt")
+    assert sliced.index.match(keys)["w"].gpu == n == whole.match(keys)["w"].gpu
+    assert sliced.feeds["w"].events["BlockStored"] == 1 and sliced.feeds["w"].malformed == 0
+    # removal in slices too
+    sliced.offer("w", 1, EventBatch(0.0, [BlockRemoved(list(range(1, n + 1)), "GPU")], 0), 0.0)
+    assert sliced.index.blocks_held("w").get(Medium.GPU, 0) == 0
+
+
+def test_a_malformed_huge_event_fails_whole():
+    n = SLICE_BLOCKS + 5
+    bad = BlockStored(list(range(1, n + 1)), None, [1] * (n * BS - 1), BS, None, "GPU")
+    assert _slices(bad, SLICE_BLOCKS) == [bad]
+    feeder = IndexFeeder(KvIndex(), block_size=BS)
+    feeder.offer("w", 0, EventBatch(0.0, [bad], 0), 0.0)
+    assert feeder.feeds["w"].malformed == 1 and feeder.index.blocks_held("w").get(Medium.GPU, 0) == 0
