@@ -102,7 +102,7 @@ def test_a_huge_stored_event_in_slices_is_the_same_index():
     n = 3 * SLICE_BLOCKS + 17
     tokens = [rng.randrange(4000) for _ in range(n * BS)]
     event = BlockStored(list(range(1, n + 1)), None, tokens, BS, None, "GPU", "lora-a", None, 0, None, "salt")
-    pieces = _slices(event, SLICE_BLOCKS)
+    pieces = list(_slices(event, SLICE_BLOCKS))
     assert len(pieces) == 4 and sum(len(p.block_hashes) for p in pieces) == n
     sliced = IndexFeeder(KvIndex(), block_size=BS)
     steps = sliced.offer_steps("w", 0, EventBatch(0.0, [event], 0), 0.0)
@@ -124,7 +124,7 @@ def test_a_huge_stored_event_in_slices_is_the_same_index():
 def test_a_malformed_huge_event_fails_whole():
     n = SLICE_BLOCKS + 5
     bad = BlockStored(list(range(1, n + 1)), None, [1] * (n * BS - 1), BS, None, "GPU")
-    assert _slices(bad, SLICE_BLOCKS) == [bad]
+    assert list(_slices(bad, SLICE_BLOCKS)) == [bad]
     feeder = IndexFeeder(KvIndex(), block_size=BS)
     feeder.offer("w", 0, EventBatch(0.0, [bad], 0), 0.0)
     assert feeder.feeds["w"].malformed == 1 and feeder.index.blocks_held("w").get(Medium.GPU, 0) == 0

@@ -14,7 +14,7 @@ share them:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -23,6 +23,7 @@ from router.events.codec import (
     BlockRemoved,
     BlockStored,
     EventBatch,
+    KvEvent,
     MalformedFrame,
     medium_of,
 )
@@ -271,29 +272,31 @@ class IndexFeeder:
         return WorkerStatus(worker_id, state, age, f.last_seq, self.index.blocks_held(worker_id))
 
 
-def _slices(event: BlockStored | BlockRemoved | AllBlocksCleared, size: int) -> list:  # type: ignore[type-arg]
+def _slices(event: BlockStored | BlockRemoved | AllBlocksCleared, size: int) -> Iterator[KvEvent]:
     """An event as consecutive pieces of at most ``size`` blocks, with the same effect applied in order: a
-    stored chain continues from the previous piece's last hash. A malformed event is left whole (it fails as
-    one), and so is a small one."""
+    stored chain continues from the previous piece's last hash. Pieces are cut as they are applied (a copy of
+    all of them at once would be one long stall again). A malformed event is left whole (it fails as one),
+    and so is a small one."""
     if isinstance(event, AllBlocksCleared) or len(event.block_hashes) <= size:
-        return [event]
+        yield event
+        return
     n = len(event.block_hashes)
+    hashes = event.block_hashes
     if isinstance(event, BlockRemoved):
-        hashes = event.block_hashes
-        return [BlockRemoved(hashes[i : i + size], event.medium, event.group_idx) for i in range(0, n, size)]
+        for i in range(0, n, size):
+            yield BlockRemoved(hashes[i : i + size], event.medium, event.group_idx)
+        return
     bs = event.block_size
     extras = event.extra_keys
     if bs <= 0 or len(event.token_ids) != n * bs or (extras is not None and len(extras) != n):
-        return [event]
-    pieces = []
+        yield event
+        return
     for i in range(0, n, size):
         j = min(n, i + size)
-        pieces.append(BlockStored(
-            event.block_hashes[i:j], event.parent_block_hash if i == 0 else event.block_hashes[i - 1],
-            event.token_ids[i * bs : j * bs], bs, event.lora_id, event.medium, event.lora_name,
-            None if extras is None else extras[i:j], event.group_idx, event.kv_cache_spec_kind,
-            event.cache_salt if i == 0 else None))
-    return pieces
+        yield BlockStored(
+            hashes[i:j], event.parent_block_hash if i == 0 else hashes[i - 1], event.token_ids[i * bs : j * bs],
+            bs, event.lora_id, event.medium, event.lora_name, None if extras is None else extras[i:j],
+            event.group_idx, event.kv_cache_spec_kind, event.cache_salt if i == 0 else None)
 
 
 def _exact_tail(by_seq: dict[int, EventBatch], first: int, end: int) -> tuple[list[tuple[int, EventBatch]], int] | None:
