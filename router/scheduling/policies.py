@@ -117,7 +117,7 @@ class ApproxPrefix(Policy):
         if req.keys:
             matched = self.tree.match(req.keys)
             eligible = {r.worker_id for r in reports}
-            best = max((m.gpu, w) for w, m in matched.items() if w in eligible) if matched else None
+            best = max(((m.gpu, w) for w, m in matched.items() if w in eligible), default=None)
             if best and best[0] / len(req.keys) > self.match_threshold:
                 return [best[1]] + [w for w in by_load if w != best[1]]
         return by_load
