@@ -205,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
         "proxy": "added latency and req/s: direct vs kvrouter serve vs smg",
         "epp": "Envoy vs Envoy + kvrouter epp: added latency, req/s, CPU per pick",
         "quality": "live proxy routing quality over several workload seeds: precise vs round_robin, approx, smg",
+        "soak": "the proxy for minutes under mixed load, bad input and worker kills: RSS, /health, 5xx; PASS/FAIL",
     }
     for name, help_text in benches.items():
         bp = bsub.add_parser(name, help=help_text)
@@ -213,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "quality":
             bp.add_argument("--seeds", type=int, default=None,
                             help="workload seeds, every policy on each (default 8; 2 with --quick)")
+        if name == "soak":
+            bp.add_argument("--duration", type=float, default=None,
+                            help="seconds of load (default 600; 60 with --quick)")
         bp.set_defaults(handler=_bench)
     return parser
 

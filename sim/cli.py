@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from router.scheduling import POLICIES
+from router.scheduling import BUILTIN_PROFILES as POLICIES
 from sim.report import Progress, plots, stable_json, table
 from sim.runner import SimConfig, Simulation, pooled, summarise
 from sim.workload import WORKLOADS, SimRequest, infinite_cache_bound, mooncake, repeat_trace

@@ -144,7 +144,7 @@ class Simulation:
         for rec in records:
             if rec.worker and rec.outcome == "routed":
                 per_worker[rec.worker] += rec.prompt_tokens
-        return SimResult(self.core.policy.name, records, now, per_worker, timeline, len(records),
+        return SimResult(self.core.policy_name, records, now, per_worker, timeline, len(records),
                          _time.perf_counter() - started)
 
     # ---- events ----------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ class Simulation:
             rec.outcome, rec.worker = decision.outcome, None
             return False
         w = decision.ranked[0]
-        self.core.dispatched(rr, w, decision, now)
+        self.core.dispatch(rr, decision, w, now)
         try:
             self.engines[w].add_request(EngineRequest(r.request_id, tokens, r.output_len, arrival=now))
         except ValueError as e:

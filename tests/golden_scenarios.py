@@ -101,7 +101,7 @@ class _Handle:
 
 
 def _lifecycle(core, req, decision, wid, now):  # type: ignore[no-untyped-def]
-    core.dispatched(req, wid, decision, now)
+    core.dispatch(req, decision, wid, now)
     return _Handle(core, req.request_id)
 
 

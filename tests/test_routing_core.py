@@ -78,7 +78,7 @@ def test_the_trap_a_long_hit_behind_a_3s_queue_loses_to_an_idle_cold_worker():
     assert by["idle"].prefill_s == pytest.approx(0.8001) and by["holder"].prefill_s == pytest.approx(1e-4)
     assert d.chosen == "idle"
     # with the queue gone, the holder wins
-    core.completed("queued", 0.2)
+    core.load.complete("queued", 0.2)
     assert core.decide(request(prompt, "r2"), now=0.3).chosen == "holder"
 
 
@@ -178,14 +178,14 @@ def test_learned_scale_follows_observed_ttft():
         req = request(list(range(i * 10_000, i * 10_000 + 6000)), f"r{i}")
         d = core.decide(req, now=float(i))
         assert d.predicted_ttft_s == pytest.approx(base * core.cost.scale.get("w0", 1.0))
-        core.dispatched(req, "w0", d, now=float(i))
+        core.dispatch(req, d, "w0", now=float(i))
         core.first_token(f"r{i}", now=i + 2.0 * base)  # the worker is really 2x slower than modelled
         core.completed(f"r{i}", now=i + 0.5)
     assert core.cost.scale["w0"] == pytest.approx(2.0, rel=0.02)
     # short (cache-hit sized) TTFTs are mostly fixed overhead: they do not move the factor
     short = request(list(range(900_000, 900_100)), "short")
     d = core.decide(short, now=100.0)
-    core.dispatched(short, "w0", d, now=100.0)
+    core.dispatch(short, d, "w0", now=100.0)
     core.first_token("short", now=100.0 + 10 * d.predicted_ttft_s)
     assert core.cost.scale["w0"] == pytest.approx(2.0, rel=0.02)
 
@@ -225,7 +225,7 @@ def test_stale_worker_loses_prefix_credit_and_regains_it():
     # w0 keeps taking requests but its events stop
     for i in range(10):
         r = request(list(range(100_000 + i * 100, 100_000 + i * 100 + 40)), f"x{i}")
-        core.dispatched(r, "w0", core.decide(r, now=1.0 + i), now=1.0 + i)
+        core.dispatch(r, core.decide(r, now=1.0 + i), "w0", now=1.0 + i)
         core.completed(f"x{i}", now=1.5 + i)
     d = core.decide(request(prompt, "after"), now=12.0)
     w0 = next(c for c in d.candidates if c.worker_id == "w0")
@@ -241,7 +241,7 @@ def test_all_stale_means_a_load_only_decision():
     core = core_with(3, stale_after_s=1.0)
     for i, w in enumerate(("w0", "w1", "w2")):
         r = request(list(range(i * 100, i * 100 + 64)), f"x{i}")
-        core.dispatched(r, w, core.decide(r, now=0.0), now=0.0)
+        core.dispatch(r, core.decide(r, now=0.0), w, now=0.0)
     d = core.decide(request(list(range(100))), now=5.0)
     assert "load only" in d.reason
     assert all(not c.prefix_credit for c in d.candidates)
@@ -264,7 +264,7 @@ def test_filters_admission_and_reasons():
     reasons = {c.worker_id: c.filtered for c in d.candidates}
     assert reasons == {"w0": "unhealthy", "w1": "draining", "w2": None}
     req = request(list(range(64)), "a")
-    core.dispatched(req, "w2", d, 0.0)
+    core.dispatch(req, d, "w2", 0.0)
     d = core.decide(request(list(range(64)), "b"), now=0.1)
     assert d.outcome == "shed" and d.chosen is None
     core.completed("a", 0.2)
@@ -296,11 +296,11 @@ def test_speculative_record_steers_a_burst_before_events_arrive():
     core = core_with(4)
     prompt = list(range(16_000))  # long enough that waiting behind its first copy beats a cold prefill
     first = core.decide(request(prompt, "a"), now=0.0)
-    core.dispatched(request(prompt, "a"), first.chosen, first, now=0.0)
+    core.dispatch(request(prompt, "a"), first, first.chosen, now=0.0)
     for i in range(3):
         d = core.decide(request(prompt, f"b{i}"), now=0.01)
         assert d.chosen == first.chosen
-        core.dispatched(request(prompt, f"b{i}"), d.chosen, d, now=0.01)
+        core.dispatch(request(prompt, f"b{i}"), d, d.chosen, now=0.01)
         assert next(c for c in d.candidates if c.worker_id == first.chosen).speculative == len(prompt) // BS
     later = core.decide(request(prompt, "late"), now=5.0)  # TTL over, no events came: no credit left
     assert all(c.speculative == 0 for c in later.candidates)
@@ -311,17 +311,17 @@ def test_speculative_credit_survives_a_resync_but_not_staleness():
     core = core_with(2, stale_after_s=1.0)
     prompt = list(range(16_000))
     first = core.decide(request(prompt, "a"), now=0.0)
-    core.dispatched(request(prompt, "a"), first.chosen, first, now=0.0)
+    core.dispatch(request(prompt, "a"), first, first.chosen, now=0.0)
     # the worker's first event comes with seq 5: the router asks for a replay and the index is unsynced
     gap = core.feeder.offer(first.chosen, 5, EventBatch(0.01, [], 0), now=0.01)
     assert gap is not None and core.index_state(first.chosen, 0.02) == "unsynced"
     d = core.decide(request(prompt, "b"), now=0.02)
     assert d.chosen == first.chosen  # what we just sent there is still there
     assert next(c for c in d.candidates if c.worker_id == first.chosen).speculative == len(prompt) // BS
-    core.dispatched(request(prompt, "b"), d.chosen, d, now=0.02)
+    core.dispatch(request(prompt, "b"), d, d.chosen, now=0.02)
     other = core_with(2, stale_after_s=0.5)  # a worker taking requests with no events for too long: none
     d = other.decide(request(prompt, "a"), now=0.0)
-    other.dispatched(request(prompt, "a"), d.chosen, d, now=0.0)
+    other.dispatch(request(prompt, "a"), d, d.chosen, now=0.0)
     assert other.index_state(d.chosen, 1.0) == "stale"
     later = other.decide(request(prompt, "b"), now=1.0)
     assert all(c.speculative == 0 for c in later.candidates)
@@ -345,7 +345,7 @@ def test_approx_prefix_follows_routed_prefixes_until_imbalanced():
     core = core_with(2, policy="approx_prefix")
     prompt = list(range(640))
     d = core.decide(request(prompt, "a"), 0)
-    core.dispatched(request(prompt, "a"), d.chosen, d, 0)
+    core.dispatch(request(prompt, "a"), d, d.chosen, 0)
     holder = d.chosen
     other = "w1" if holder == "w0" else "w0"
     assert core.decide(request(prompt + [7] * 16, "b"), 0).chosen == holder

@@ -47,16 +47,16 @@ def test_index_state_is_a_query():
     tokens = list(range(64))
     core.feeder.offer("w0", 0, stored_batch(tokens, 1, 0.0), 0.0)
     d = core.decide(route(tokens), 0.1)
-    core.dispatched(route(tokens), "w0", d, 0.1)
+    core.dispatch(route(tokens), d, "w0", 0.1)
     core.feeder.offer("w0", 1, stored_batch(tokens[::-1], 100, 0.2), 0.2)  # events after the dispatch
-    awaiting = dict(core._awaiting_events_since)
+    awaiting = dict(core.state.awaiting_events_since)
     feeds = set(core.feeder.feeds)
     for now in (0.3, 50.0, 0.3):
         assert core.index_state("w0", now) == "synced"
         assert core.index_state("w1", now) == "synced"
-    assert core._awaiting_events_since == awaiting and set(core.feeder.feeds) == feeds
+    assert core.state.awaiting_events_since == awaiting and set(core.feeder.feeds) == feeds
     # a later dispatch with no events after it is still seen going stale, and the query stays pure
-    core.dispatched(route(tokens, "r2"), "w0", d, 1.0)
+    core.dispatch(route(tokens, "r2"), d, "w0", 1.0)
     assert core.index_state("w0", 1.0 + core.config.stale_after_s + 1) == "stale"
     assert core.index_state("w0", 1.5) == "synced"
 
@@ -67,7 +67,7 @@ def test_a_failed_worker_loses_credit_until_its_next_batch():
     core.feeder.offer("w0", 0, stored_batch(tokens, 1, 0.0), 0.0)
     assert credit_of(core, tokens, "w0", 0.1) == 37
     d = core.decide(route(tokens), 0.1)
-    core.dispatched(route(tokens, "r1"), "w0", d, 0.1)  # speculative credit too
+    core.dispatch(route(tokens, "r1"), d, "w0", 0.1)  # speculative credit too
     core.worker_failed("w0", 0.2)
     assert core.index_state("w0", 0.3) == "unverified"
     assert credit_of(core, tokens, "w0", 0.3) == 0  # neither index nor speculative credit

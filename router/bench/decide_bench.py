@@ -64,7 +64,7 @@ def run(quick: bool = False) -> dict:
                 d = core.decide(req, now=0.5)
                 samples.append((time.perf_counter() - t0) * 1e3)
                 # as in a live router, the chosen worker's requests change before the next decision
-                core.dispatched(req, d.chosen, d, now=0.5)
+                core.dispatch(req, d, d.chosen, now=0.5)
                 core.completed(req.request_id, now=0.5)
             samples.sort()
             label = f"{size_name}@{n}"

@@ -38,7 +38,7 @@ from router.frontends.fleet import Fleet, fleet_from_config
 from router.frontends.metrics import RouterMetrics
 from router.frontends.openai import BadRequest, RequestParser, salt_rule
 from router.frontends.proxy import cached_tokens_from
-from router.scheduling import Decision, RouteRequest, RoutingCore
+from router.scheduling import Decision, Dispatch, RouteRequest, RoutingCore
 from router.tokenizer import PromptTokenizer
 
 log = logging.getLogger("kvrouter.epp")
@@ -61,9 +61,7 @@ class _Stream:
     body: bytearray = field(default_factory=bytearray)
     full_duplex: bool = True
     subset: frozenset[str] | None = None
-    rreq: RouteRequest | None = None
-    decision: Decision | None = None
-    worker: str | None = None
+    handle: Dispatch | None = None  # the request lifecycle, once routed
     started: float = 0.0
     first_byte: bool = False
     streamed: bool = False
@@ -168,8 +166,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                     chunk = req.response_body.body
                     if not st.first_byte and chunk:
                         st.first_byte = True
-                        if st.rreq is not None and st.streamed:
-                            self.core.first_token(st.rreq.request_id, time.monotonic())
+                        if st.handle is not None and st.streamed:
+                            st.handle.first_token(time.monotonic())
                             self.metrics.ttft.observe(time.monotonic() - st.started)
                     st.tail = (st.tail + chunk)[-8192:] if st.streamed else st.tail + chunk
                     if req.response_body.end_of_stream:
@@ -181,8 +179,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                     self._finish(st)
                     yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
         finally:
-            if st.rreq is not None and st.rreq.request_id in self.core.load.inflight:
-                self.core.completed(st.rreq.request_id, time.monotonic())  # client or Envoy went away
+            if st.handle is not None and not st.handle.ended:
+                st.handle.complete(time.monotonic())  # client or Envoy went away
 
     # ---- request phase ---------------------------------------------------------------------------
     def _subset(self, req: pb.ProcessingRequest) -> frozenset[str] | None:
@@ -232,8 +230,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             st.refused = True
             return [self._refusal(decision)]
         addrs = self._addresses(decision)
-        st.rreq, st.decision, st.worker = rreq, decision, decision.ranked[0]
-        self.core.dispatched(rreq, st.worker, decision, time.monotonic())
+        st.handle = self.core.dispatch(rreq, decision, decision.ranked[0], time.monotonic())
         common = pb.CommonResponse(header_mutation=_header_mutation(addrs[0]), clear_route_cache=True)
         md = _lb_metadata(addrs)
         if not st.full_duplex:  # BUFFERED: headers already answered; mutate them with the body response
@@ -273,29 +270,31 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             md = req.metadata_context.filter_metadata.get(LB_NAMESPACE)
             if md is not None and SERVED_KEY in md.fields:
                 served = md.fields[SERVED_KEY].string_value
-        if not served or st.rreq is None or st.decision is None:
+        if not served or st.handle is None:
             return
         wid = self._address_to_worker(served)
-        if wid is not None and wid != st.worker:
-            log.info("request %s served by %s, not the pick %s", st.rreq.request_id, wid, st.worker)
-            self.fleet.mark_failure(st.worker or "")
-            self.core.dispatched(st.rreq, wid, st.decision, time.monotonic())
-            st.worker = wid
+        picked = st.handle.worker_id
+        if wid is not None and wid != picked:
+            log.info("request %s served by %s, not the pick %s", st.handle.request.request_id, wid, picked)
+            self.fleet.mark_failure(picked)
+            st.handle.reassign(wid, time.monotonic())
 
     def _finish(self, st: _Stream) -> None:
-        if st.rreq is None or st.rreq.request_id not in self.core.load.inflight:
+        handle = st.handle
+        if handle is None or handle.ended:
             return
         now = time.monotonic()
         if not st.streamed:
-            self.core.first_token(st.rreq.request_id, now, learn=False)
-        self.core.completed(st.rreq.request_id, now)
+            handle.first_token(now, learn=False)
+        handle.complete(now)
         self.metrics.requests.labels(st.status).inc()
         if st.status != "200":
             return
         reported = cached_tokens_from(st.tail, st.streamed)
         if reported is not None:
             self.metrics.hit_reported.inc(reported)
-        self.metrics.prompt_tokens.inc(st.rreq.prompt_tokens)
+        self.metrics.hit_estimated.inc(handle.expected_hit_tokens)
+        self.metrics.prompt_tokens.inc(handle.request.prompt_tokens)
 
 
 def health_servicer(fleet: Fleet) -> health.HealthServicer:
@@ -306,13 +305,9 @@ def health_servicer(fleet: Fleet) -> health.HealthServicer:
     return servicer
 
 
-def update_readiness(servicer: health.HealthServicer, core: RoutingCore, clock) -> bool:  # type: ignore[no-untyped-def]
-    """Ready when some endpoint is healthy and every endpoint's index is synced and its metrics fresh."""
-    now = clock()
-    eps = list(core.endpoints.values())
-    ready = bool(eps) and any(ep.healthy for ep in eps) and all(
-        core.index_state(ep.worker_id, now) in ("synced", "unverified", "no-events")
-        and core.fresh_metrics(ep.worker_id, now) is not None for ep in eps if ep.healthy)
+def update_readiness(servicer: health.HealthServicer, core: RoutingCore, now: float) -> bool:
+    """Ready when some endpoint is healthy and every healthy one's index is usable and its metrics fresh."""
+    ready, _ = core.readiness(now)
     status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
     servicer.set("readiness", status)
     servicer.set(SERVICE_NAME, status)
@@ -383,7 +378,7 @@ async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, por
         started.set()
     try:
         while True:
-            update_readiness(hs, core, fleet.clock)
+            update_readiness(hs, core, fleet.clock())
             await asyncio.sleep(0.2)
     finally:
         hs.enter_graceful_shutdown()

@@ -30,7 +30,7 @@ from router.frontends.fleet import fleet_from_config
 from router.frontends.metrics import RouterMetrics
 from router.frontends.openai import BadRequest, ParsedRequest, RequestParser, salt_rule
 from router.frontends.openai import error_response as error
-from router.scheduling import Decision, RoutingCore
+from router.scheduling import Decision, Dispatch, RouteRequest, RoutingCore
 from router.tokenizer import PromptTokenizer, load_tokenizer
 
 log = logging.getLogger("kvrouter.proxy")
@@ -39,6 +39,7 @@ DESTINATION_HEADERS = {"x-gateway-destination-endpoint", "x-gateway-destination-
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
               "transfer-encoding", "upgrade", "host", "content-length"}
 USAGE_TAIL_BYTES = 8192
+MAX_JSON_TAIL_BYTES = 4 * 1024 * 1024  # a non-streamed answer longer than this is relayed, not parsed for usage
 
 
 def cached_tokens_from(tail: bytes, streamed: bool) -> int | None:
@@ -140,41 +141,47 @@ class ProxyServer:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
         return await self._forward(request, rreq, parsed, decision, parsed.raw, headers, started)
 
-    async def _forward(self, request: web.Request, rreq: Any, parsed: ParsedRequest, decision: Decision,
+    async def _forward(self, request: web.Request, rreq: RouteRequest, parsed: ParsedRequest, decision: Decision,
                        body: bytes, headers: dict[str, str], started: float) -> web.StreamResponse:
+        """Send to the best worker; on a connection error or a 5xx before any byte, the next-best (the
+        dispatch moves with it, and what the abandoned choice recorded is taken back)."""
         assert self._session is not None
         last_error = "no worker answered"
         attempts = decision.ranked[: self.config.max_attempts]
+        handle: Dispatch | None = None
         for attempt, wid in enumerate(attempts):
             ep = self.core.endpoints.get(wid)
             if ep is None:
                 continue
-            self.core.dispatched(rreq, wid, decision, time.monotonic())
+            if handle is None:
+                handle = self.core.dispatch(rreq, decision, wid, time.monotonic())
+            else:
+                handle.reassign(wid, time.monotonic())
             try:
                 upstream = await self._session.post(ep.url + request.path, data=body, headers=headers)
             except (aiohttp.ClientConnectionError, TimeoutError) as e:
                 last_error = f"worker {wid} unreachable: {e!r}"
-                self._failed(rreq.request_id, wid, attempt, len(attempts))
+                self._failed(wid, attempt, len(attempts))
                 continue
             if upstream.status >= 500 and attempt + 1 < len(attempts):
                 last_error = f"worker {wid} answered {upstream.status}"
                 upstream.release()
-                self._failed(rreq.request_id, wid, attempt, len(attempts))
+                self._failed(wid, attempt, len(attempts))
                 continue
-            return await self._relay(request, rreq, parsed, decision, wid, upstream, started)
-        self.core.completed(rreq.request_id, time.monotonic())
+            return await self._relay(request, handle, parsed, upstream, started)
+        if handle is not None:
+            handle.fail(time.monotonic())
         self.metrics.requests.labels("502").inc()
         return error(502, f"no worker could serve the request: {last_error}", "BadGatewayError")
 
-    def _failed(self, rid: str, wid: str, attempt: int, attempts: int) -> None:
-        self.core.completed(rid, time.monotonic())
+    def _failed(self, wid: str, attempt: int, attempts: int) -> None:
         self.fleet.mark_failure(wid)
         if attempt + 1 < attempts:
             self.metrics.retries.inc()
 
-    async def _relay(self, request: web.Request, rreq: Any, parsed: ParsedRequest, decision: Decision, wid: str,
+    async def _relay(self, request: web.Request, handle: Dispatch, parsed: ParsedRequest,
                      upstream: aiohttp.ClientResponse, started: float) -> web.StreamResponse:
-        rid = rreq.request_id
+        wid, rid = handle.worker_id, handle.request.request_id
         resp = web.StreamResponse(status=upstream.status)
         for k, v in upstream.headers.items():
             if k.lower() not in HOP_BY_HOP:
@@ -190,43 +197,40 @@ class ProxyServer:
                     first = False
                     now = time.monotonic()
                     if streamed and upstream.status == 200:
-                        self.core.first_token(rid, now)
+                        handle.first_token(now)
                         self.metrics.ttft.observe(now - started)
                 await resp.write(chunk)
-                tail = (tail + chunk)[-USAGE_TAIL_BYTES:] if streamed else tail + chunk
+                # the usage is in the last SSE chunks, or in the (bounded) JSON body
+                tail = (tail + chunk)[-USAGE_TAIL_BYTES:] if streamed else (tail + chunk)[:MAX_JSON_TAIL_BYTES]
             await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
             # the client went away: dropping the upstream connection cancels the request on the worker
             upstream.close()
-            self.core.completed(rid, time.monotonic())
+            handle.complete(time.monotonic())
             self.metrics.requests.labels("499").inc()
             raise
         except (aiohttp.ClientError, TimeoutError) as e:  # the worker died mid-response: nothing can be retried
             log.warning("worker %s failed mid-response for %s: %r", wid, rid, e)
             upstream.close()
             self.fleet.mark_failure(wid)
-            self.core.completed(rid, time.monotonic())
+            handle.complete(time.monotonic())
             self.metrics.requests.labels("502").inc()
             self.metrics.truncated.inc()
             await self._abort(request, resp, streamed and upstream.status == 200, f"worker {wid} failed: {e!r}")
             return resp
         now = time.monotonic()
         if not streamed:
-            self.core.first_token(rid, now, learn=False)  # only a stream tells when the first token came
+            handle.first_token(now, learn=False)  # only a stream tells when the first token came
             self.metrics.ttft.observe(now - started)
-        self.core.completed(rid, now)
+        handle.complete(now)
         upstream.release()
         self.metrics.requests.labels(str(upstream.status)).inc()
         if upstream.status == 200:
             reported = cached_tokens_from(tail, streamed)
-            chosen = next((c for c in decision.candidates if c.worker_id == wid), None)
-            if chosen is not None:
-                est = min((chosen.matched_gpu + chosen.matched_cpu + chosen.matched_storage) * rreq.block_size,
-                          max(rreq.prompt_tokens - 1, 0))
-                self.metrics.hit_estimated.inc(est)
+            self.metrics.hit_estimated.inc(handle.expected_hit_tokens)
             if reported is not None:
                 self.metrics.hit_reported.inc(reported)
-            self.metrics.prompt_tokens.inc(rreq.prompt_tokens)
+            self.metrics.prompt_tokens.inc(handle.request.prompt_tokens)
         return resp
 
     @staticmethod

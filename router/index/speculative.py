@@ -10,7 +10,7 @@ whole prefix), so a worker owning key i was sent keys 0..i too: its speculative 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class SpeculativePrefixes:
@@ -22,15 +22,29 @@ class SpeculativePrefixes:
     def __len__(self) -> int:
         return len(self._owner)
 
-    def record(self, worker_id: str, keys: Sequence[int], now: float) -> None:
+    def record(self, worker_id: str, keys: Sequence[int], now: float) -> Callable[[], None] | None:
+        """Remember ``keys`` as on their way to ``worker_id``; returns how to take that back (the request went
+        elsewhere after all): the keys this record still owns return to their previous owners."""
         if self.ttl_s <= 0 or not keys:
-            return
+            return None
         if len(self._owner) + len(keys) > self.max_entries:
             self._purge(now)
         entry = (worker_id, now + self.ttl_s)
         owner = self._owner
+        previous = [owner.get(k) for k in keys]
         for k in keys:
             owner[k] = entry
+
+        def undo() -> None:
+            owner = self._owner  # (a purge may have replaced the dict)
+            for k, prev in zip(keys, previous, strict=True):
+                if owner.get(k) is entry:  # not recorded again since
+                    if prev is None:
+                        del owner[k]
+                    else:
+                        owner[k] = prev
+
+        return undo
 
     def match(self, keys: Sequence[int], now: float) -> dict[str, int]:
         """Each worker's longest prefix of ``keys`` routed to it within the TTL."""

@@ -1,11 +1,13 @@
-"""Routing decisions: filters, cost model, policies, and the core that composes them."""
+"""Routing decisions: fleet state, per-decision snapshots, plugins and profiles, the request lifecycle, and
+the core that composes them."""
 
 from router.scheduling.core import RoutingConfig, RoutingCore
 from router.scheduling.cost import CostModel, CostParams, Estimate
-from router.scheduling.policies import POLICIES, Policy
-from router.scheduling.types import CandidateReport, Decision, Endpoint, RouteRequest
+from router.scheduling.lifecycle import Dispatch
+from router.scheduling.profiles import BUILTIN_PROFILES, Profile, SchedulingConfig
+from router.scheduling.types import CandidateReport, Decision, Endpoint, RouteRequest, hit_tokens
 
 __all__ = [
-    "POLICIES", "CandidateReport", "CostModel", "CostParams", "Decision", "Endpoint", "Estimate", "Policy",
-    "RouteRequest", "RoutingConfig", "RoutingCore",
+    "BUILTIN_PROFILES", "CandidateReport", "CostModel", "CostParams", "Decision", "Dispatch", "Endpoint", "Estimate",
+    "Profile", "RouteRequest", "RoutingConfig", "RoutingCore", "SchedulingConfig", "hit_tokens",
 ]

@@ -7,6 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def hit_tokens(matched_blocks: int, block_size: int, prompt_tokens: int) -> int:
+    """Prompt tokens a worker holding ``matched_blocks`` of the prompt skips: the engine always computes the
+    last prompt token (its logits start the output), so even a full hit prefills one. The one place this
+    rule is written."""
+    return min(matched_blocks * block_size, max(prompt_tokens - 1, 0))
+
+
 @dataclass(slots=True)
 class Endpoint:
     """A worker the router may send requests to (one engine, or one data-parallel rank of it)."""
@@ -59,6 +66,10 @@ class CandidateReport:
     eviction_s: float = 0.0
     score: float = 0.0
     inflight: int = 0
+
+    @property
+    def matched_blocks(self) -> int:
+        return self.matched_gpu + self.matched_cpu + self.matched_storage
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]

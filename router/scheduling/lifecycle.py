@@ -1,0 +1,113 @@
+"""One request lifecycle for every front end: the proxy, the endpoint picker and the simulator all drive a
+``Dispatch`` handle from the routing core, so the bookkeeping cannot drift between them.
+
+``dispatch`` records the choice (in-flight accounting, the staleness clock, speculative prefixes, the
+profile's post-dispatch hooks); ``reassign`` moves it to another worker (a retry, or Envoy falling back to
+the next endpoint) and takes back what the abandoned choice recorded; ``first_token`` learns the engine's
+real TTFT; ``complete`` and ``fail`` end it. Pure: callers pass ``now``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from router.load import InFlight
+from router.scheduling.plugins.base import Plugin
+from router.scheduling.state import FleetState
+from router.scheduling.types import CandidateReport, Decision, RouteRequest, hit_tokens
+
+Undo = Callable[[], None]
+
+
+class Dispatch:
+    def __init__(self, state: FleetState, plugins: list[Plugin], req: RouteRequest, decision: Decision,
+                 worker_id: str, now: float, on_end: Callable[[str], None]) -> None:
+        self.state = state
+        self.plugins = plugins
+        self.request = req
+        self.decision = decision
+        self.worker_id = worker_id
+        self.attempts = 0
+        self.ended = False
+        self._on_end = on_end
+        self._undo: list[Undo] = []
+        self._record(worker_id, now)
+
+    # ---- what the router expects here --------------------------------------------------------------
+    @property
+    def report(self) -> CandidateReport | None:
+        return next((c for c in self.decision.candidates if c.worker_id == self.worker_id), None)
+
+    @property
+    def expected_hit_tokens(self) -> int:
+        """Prompt tokens the router expects cached on the worker serving it (0 where it did not look)."""
+        r = self.report
+        return hit_tokens(r.matched_blocks, self.request.block_size, self.request.prompt_tokens) if r else 0
+
+    # ---- transitions ---------------------------------------------------------------------------------
+    def reassign(self, worker_id: str, now: float) -> None:
+        """Serve it on ``worker_id`` instead: what the abandoned choice recorded is taken back, the in-flight
+        accounting moves."""
+        if self.ended or worker_id == self.worker_id:
+            return
+        self._forget(now)
+        self.worker_id = worker_id
+        self._record(worker_id, now)
+
+    def first_token(self, now: float, learn: bool = True) -> None:
+        """``learn``: fold this TTFT into the worker's cost factor (only when the first token was seen as such)."""
+        r = self.state.load.first_token(self.request.request_id, now)
+        if r is None or not learn:
+            return
+        observed = now - r.dispatched_at
+        self.state.cost.observe(r.worker_id, r.predicted_ttft_s, observed)
+        for p in self.plugins:
+            p.on_first_token(r.worker_id, r.predicted_ttft_s, observed, now)
+
+    def complete(self, now: float) -> None:
+        """Served (whatever the status): the accounting ends, what was recorded stays true."""
+        if self.ended:
+            return
+        self.state.load.complete(self.request.request_id, now)
+        self._end()
+
+    def fail(self, now: float) -> None:
+        """No worker served it: the accounting ends and what the choice recorded is taken back."""
+        if self.ended:
+            return
+        self._forget(now)
+        self._end()
+
+    # ---- internals -----------------------------------------------------------------------------------
+    def _record(self, worker_id: str, now: float) -> None:
+        req, state = self.request, self.state
+        self.attempts += 1
+        report = self.report
+        if report is not None:
+            uncached = req.prompt_tokens - hit_tokens(report.matched_blocks, req.block_size, req.prompt_tokens)
+            predicted = report.ttft_s or None
+        else:
+            uncached, predicted = req.prompt_tokens, None
+        state.load.dispatch(req.request_id, worker_id, req.prompt_tokens, uncached, req.max_tokens, now, predicted,
+                            req.keys, req.block_size)
+        state.note_dispatch(worker_id, now)
+        undo = state.speculative.record(worker_id, req.keys, now)
+        self._undo = [undo] if undo else []
+        for p in self.plugins:
+            u = p.on_dispatch(req, worker_id, now)
+            if u is not None:
+                self._undo.append(u)
+
+    def _forget(self, now: float) -> None:
+        self.state.load.complete(self.request.request_id, now)
+        for undo in reversed(self._undo):
+            undo()
+        self._undo = []
+
+    def _end(self) -> None:
+        self.ended = True
+        self._on_end(self.request.request_id)
+
+    @property
+    def inflight(self) -> InFlight | None:
+        return self.state.load.inflight.get(self.request.request_id)

@@ -1,0 +1,78 @@
+"""The plugin kinds a scheduling profile is made of, the way llm-d's scheduler composes them:
+filters drop candidates, weighted scorers price the rest, a picker orders them.
+
+Scores are costs: lower is better (the latency scorers' unit is seconds a user waits). A plugin is one class
+with a ``type_name``, a ``Params`` dataclass of typed parameters (validated from config) and a constructor
+taking them; it sees only the per-decision ``Snapshot``. Hooks: ``on_dispatch`` (a request was sent to a
+worker; return an undo for when the choice is abandoned: a retry elsewhere, a gateway fallback) and
+``on_first_token`` (what the request's first token taught).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+from router.scheduling.snapshot import Candidate, Snapshot
+from router.scheduling.types import RouteRequest
+
+Undo = Callable[[], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class NoParams:
+    """A plugin without parameters."""
+
+
+class Plugin:
+    type_name: ClassVar[str]
+    kind: ClassVar[str]  # filter | scorer | picker
+    Params: ClassVar[type] = NoParams
+
+    def __init__(self, params: Any = None, *, rng: random.Random | None = None) -> None:
+        self.params = params if params is not None else self.Params()
+        self.rng = rng or random.Random()
+
+    def on_dispatch(self, req: RouteRequest, worker_id: str, now: float) -> Undo | None:
+        """A request was sent to ``worker_id``; return how to take back what this recorded, if anything."""
+        return None
+
+    def on_first_token(self, worker_id: str, predicted_s: float | None, observed_s: float, now: float) -> None:
+        """The first token of a request sent to ``worker_id`` came ``observed_s`` after dispatch."""
+
+
+class Filter(Plugin):
+    kind = "filter"
+
+    def filter(self, snap: Snapshot, cand: Candidate) -> str | None:
+        """Why ``cand`` may not take this request, or None."""
+        raise NotImplementedError
+
+
+class Scorer(Plugin):
+    kind = "scorer"
+    uses_prefix: ClassVar[bool] = False  # reads the event-fed index (the decision says so when none is synced)
+
+    def score(self, snap: Snapshot, cands: Sequence[Candidate]) -> list[float]:
+        """One cost per candidate, in order: lower is better."""
+        raise NotImplementedError
+
+
+class Picker(Plugin):
+    kind = "picker"
+
+    def pick(self, snap: Snapshot, cands: Sequence[Candidate], scores: Sequence[float]) -> list[str]:
+        """The candidates' worker ids, best first (the rest are the fallbacks, in order)."""
+        raise NotImplementedError
+
+
+def params_doc(cls: type[Plugin]) -> list[dict[str, Any]]:
+    """A plugin's parameters as ``kvrouter plugins`` lists them."""
+    out = []
+    for f in dataclasses.fields(cls.Params):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        out.append({"name": f.name, "type": f.type if isinstance(f.type, str) else f.type.__name__,
+                    "default": default})
+    return out

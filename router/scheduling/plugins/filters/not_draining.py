@@ -1,0 +1,13 @@
+"""``not-draining``: a worker being drained (``/admin/drain``, a terminating pod) takes no new request."""
+
+from __future__ import annotations
+
+from router.scheduling.plugins.base import Filter
+from router.scheduling.snapshot import Candidate, Snapshot
+
+
+class NotDraining(Filter):
+    type_name = "not-draining"
+
+    def filter(self, snap: Snapshot, cand: Candidate) -> str | None:
+        return "draining" if cand.endpoint.draining else None

@@ -1,0 +1,16 @@
+"""``serves-model``: only workers serving the requested model (or LoRA adapter)."""
+
+from __future__ import annotations
+
+from router.scheduling.plugins.base import Filter
+from router.scheduling.snapshot import Candidate, Snapshot
+
+
+class ServesModel(Filter):
+    type_name = "serves-model"
+
+    def filter(self, snap: Snapshot, cand: Candidate) -> str | None:
+        req = snap.request
+        if cand.endpoint.serves(req.model, req.lora):
+            return None
+        return f"does not serve {'LoRA ' + req.lora if req.lora else 'model ' + str(req.model)}"

@@ -1,0 +1,1 @@
+"""Pickers: each orders the candidates from their summed weighted scores, best first."""

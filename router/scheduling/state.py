@@ -1,0 +1,122 @@
+"""The one owner of what the router knows about each worker. Pure: every query takes ``now``, none changes
+anything.
+
+Endpoint (address, models, health, draining), index sync (the event feed), engine metrics and cache capacity,
+the router's own in-flight load, what it just sent where (speculative prefixes) and the engine costs learned
+from observed TTFTs. The adapters (health probes, metric scrapes, the event subscriber, the simulator) write
+it through the methods here; the scheduler reads it through a per-decision ``Snapshot``.
+"""
+
+from __future__ import annotations
+
+from router.events.feed import IndexFeeder
+from router.index import KvIndex, Medium
+from router.index.speculative import SpeculativePrefixes
+from router.load import EngineMetrics, LoadTracker
+from router.scheduling.cost import CostModel, CostParams
+from router.scheduling.types import Endpoint
+
+# index states in which a worker may be sent requests without harm to readiness (load-only or exact)
+SERVABLE_STATES = ("synced", "unverified", "no-events")
+
+
+class FleetState:
+    def __init__(self, block_size: int, *, stale_after_s: float = 10.0, speculative_ttl_s: float = 2.0,
+                 metrics_max_age_s: float = 2.0, cost: CostParams | None = None,
+                 feeder: IndexFeeder | None = None) -> None:
+        self.block_size = block_size
+        self.stale_after_s = stale_after_s
+        self.metrics_max_age_s = metrics_max_age_s
+        self.feeder = feeder or IndexFeeder(KvIndex(), block_size=block_size)
+        self.index = self.feeder.index
+        self.load = LoadTracker()
+        self.speculative = SpeculativePrefixes(speculative_ttl_s)
+        self.cost = CostModel(cost or CostParams())
+        self.endpoints: dict[str, Endpoint] = {}
+        self.metrics: dict[str, EngineMetrics] = {}
+        self.cache_tokens: dict[str, int] = {}  # per worker: GPU KV-cache capacity in tokens, when reported
+        # per worker: the first dispatch not yet followed by any KV event (for staleness)
+        self.awaiting_events_since: dict[str, float] = {}
+
+    # ---- writes ------------------------------------------------------------------------------
+    def upsert_endpoint(self, ep: Endpoint) -> None:
+        self.endpoints[ep.worker_id] = ep
+
+    def remove_endpoint(self, worker_id: str) -> None:
+        self.endpoints.pop(worker_id, None)
+        self.feeder.remove_worker(worker_id)
+        self.load.forget_worker(worker_id)
+        self.speculative.forget_worker(worker_id)
+        self.metrics.pop(worker_id, None)
+        self.cache_tokens.pop(worker_id, None)
+        self.cost.scale.pop(worker_id, None)
+        self.awaiting_events_since.pop(worker_id, None)
+
+    def update_metrics(self, worker_id: str, metrics: EngineMetrics) -> None:
+        self.metrics[worker_id] = metrics
+        if metrics.cache_tokens:
+            self.cache_tokens[worker_id] = metrics.cache_tokens
+
+    def worker_failed(self, worker_id: str, now: float) -> None:
+        """A worker failed to answer (probe or request): it may be restarting with an empty cache, so its
+        prefix credit, from the index and from what was just sent there, ends until its events prove its state."""
+        self.feeder.suspend(worker_id, now)
+        self.speculative.forget_worker(worker_id)
+
+    def note_dispatch(self, worker_id: str, now: float) -> None:
+        """Start the staleness clock at the first dispatch not yet followed by events from the worker."""
+        since = self.awaiting_events_since.get(worker_id)
+        if since is None or self._heard_since(worker_id, since):
+            self.awaiting_events_since[worker_id] = now
+
+    # ---- queries -----------------------------------------------------------------------------
+    def resident_tokens(self, worker_id: str) -> int:
+        """What the worker's GPU cache holds, by the index."""
+        return self.index.blocks_held_on(worker_id, Medium.GPU) * self.block_size
+
+    def fresh_metrics(self, worker_id: str, now: float) -> EngineMetrics | None:
+        """The worker's engine metrics if scraped within ``metrics_max_age_s`` of ``now``; stale ones are
+        unknown, never zero (a dead scrape must not make a busy worker look idle)."""
+        m = self.metrics.get(worker_id)
+        return m.fresh(now, self.metrics_max_age_s) if m else None
+
+    def index_state(self, worker_id: str, now: float) -> str:
+        """synced | unsynced | unverified | stale | no-events: only 'synced' earns prefix credit.
+
+        A worker not heard from yet counts as synced and empty (that never over-credits it). It is unverified
+        after failing to answer, until its next batch shows whether it restarted. It turns stale when it has
+        been taking requests for ``stale_after_s`` without publishing a single event.
+        """
+        ep = self.endpoints.get(worker_id)
+        if ep is not None and not ep.events:
+            return "no-events"
+        feed = self.feeder.feeds.get(worker_id)
+        if feed is not None and not feed.synced:
+            return "unsynced"
+        if feed is not None and feed.suspect_since is not None:
+            return "unverified"
+        since = self.awaiting_events_since.get(worker_id)
+        if since is not None and not self._heard_since(worker_id, since) and now - since > self.stale_after_s:
+            return "stale"
+        return "synced"
+
+    def _heard_since(self, worker_id: str, since: float) -> bool:
+        feed = self.feeder.feeds.get(worker_id)
+        return feed is not None and feed.last_event_at is not None and feed.last_event_at >= since
+
+    def readiness(self, now: float) -> tuple[bool, str]:
+        """Ready to pick: some endpoint is healthy, and every healthy one has an index that is exact or routed
+        on load only, and engine metrics fresh at ``now`` (an idle picker sees metrics age out too)."""
+        eps = list(self.endpoints.values())
+        if not eps:
+            return False, "no endpoints known"
+        healthy = [ep for ep in eps if ep.healthy]
+        if not healthy:
+            return False, "no healthy endpoint"
+        for ep in healthy:
+            state = self.index_state(ep.worker_id, now)
+            if state not in SERVABLE_STATES:
+                return False, f"{ep.worker_id}: index {state}"
+            if self.fresh_metrics(ep.worker_id, now) is None:
+                return False, f"{ep.worker_id}: no engine metrics within {self.metrics_max_age_s} s"
+        return True, "ready"
