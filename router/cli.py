@@ -126,6 +126,36 @@ def _serve(args: argparse.Namespace) -> int:
         "admin.port": args.admin_port}, run_proxy)
 
 
+def _plugins(args: argparse.Namespace) -> int:
+    import json
+
+    from router.config import ConfigError, load_config
+    from router.scheduling.profiles import describe
+
+    try:
+        config = load_config(args.config) if args.config else None
+    except ConfigError as e:
+        print(f"kvrouter plugins: {e}", file=sys.stderr)
+        return 2
+    out = describe(config.scheduling if config else None)
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    for kind in ("filters", "scorers", "pickers"):
+        print(f"{kind}:")
+        for p in out[kind]:
+            params = ", ".join(f"{q['name']}: {q['type']} = {q['default']!r}" for q in p["parameters"])
+            print(f"  {p['type']:<14} {('(' + params + ')') if params else ''}")
+            if p["doc"]:
+                print(f"  {'':<14} {p['doc'].splitlines()[0]}")
+    print("profiles:")
+    for name, prof in out["profiles"].items():
+        parts = [f"{q.get('type', q.get('ref'))}" + (f" x{q['weight']}" if "weight" in q else "")
+                 for q in prof["plugins"]]
+        print(f"  {name:<14} {' -> '.join(parts)}{'' if prof['builtin'] else '  (config)'}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from router.demo import main as demo_main
 
@@ -195,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim_arguments(sp)
     sp.set_defaults(handler=_sim)
+
+    pl = sub.add_parser("plugins", help="list every registered filter, scorer, picker and profile")
+    pl.add_argument("--config", help="YAML config whose scheduling section (imports, plugins, profiles) to include")
+    pl.add_argument("--json", action="store_true", help='JSON: {"filters", "scorers", "pickers", "profiles"}')
+    pl.set_defaults(handler=_plugins)
 
     bench = sub.add_parser("bench", help="benchmarks that print a table (or --json)")
     bsub = bench.add_subparsers(dest="sub", required=True)

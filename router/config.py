@@ -7,6 +7,7 @@ lists the overrides; ``docs/configuration.md`` documents the file.
 from __future__ import annotations
 
 import dataclasses
+import random
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ import yaml
 
 from router.discovery import WorkerSpec, parse_worker_arg
 from router.discovery.static import _spec
-from router.scheduling import CostParams, RoutingConfig
+from router.scheduling import CostParams, RoutingConfig, SchedulingConfig
+from router.scheduling.profiles import ProfileError, build_profile, parse_scheduling
 from router.tokenizer import DEFAULT_TOKENIZER_DIR
 
 
@@ -67,6 +69,7 @@ class RouterConfig:
     epp: EppSettings = field(default_factory=EppSettings)
     kubernetes: KubernetesSettings = field(default_factory=KubernetesSettings)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)  # plugins and profiles (versioned)
     workers: list[WorkerSpec] = field(default_factory=list)
     workers_file: str | None = None
     events_bind: str | None = None  # bind one SUB socket that engines connect to (topic names the worker)
@@ -86,6 +89,11 @@ class RouterConfig:
 def _check(value: Any, tp: Any, where: str) -> Any:
     """Coerce/validate ``value`` against a dataclass field type; nested dataclasses from mappings."""
     origin = typing.get_origin(tp)
+    if tp is SchedulingConfig:
+        try:
+            return parse_scheduling(value, where)
+        except ProfileError as e:
+            raise ConfigError(str(e)) from None
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -159,7 +167,19 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = value
-    cfg = _build(RouterConfig, data, str(path or "config"))
+    where = str(path or "config")
+    scheduling = data.pop("scheduling", None)
+    routing = data.get("routing")
+    if scheduling is not None:  # the profiles must be known before routing.policy names one
+        if routing is None or isinstance(routing, dict):
+            data["routing"] = {**(routing or {}), "scheduling": _check(scheduling, SchedulingConfig,
+                                                                       f"{where}.scheduling")}
+    cfg = _build(RouterConfig, data, where)
+    cfg.scheduling = cfg.routing.scheduling
+    try:  # every plugin, parameter and import resolved now, not at the first request
+        build_profile(cfg.routing.policy, cfg.scheduling, random.Random(0))
+    except ProfileError as e:
+        raise ConfigError(str(e)) from None
     if cfg.max_attempts < 1:
         raise ConfigError("max_attempts must be at least 1")
     if cfg.tenant_missing not in ("reject", "no_salt"):

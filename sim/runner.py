@@ -3,7 +3,9 @@
 Nothing about routing or caching is re-implemented here: requests are keyed by ``router.keys``, decided by
 ``RoutingCore`` (the live router's core), executed by ``workers.engine.EngineModel`` (the simulated worker's
 engine), and the index is fed by the engines' own events through ``IndexFeeder``. What the simulator adds
-is time: arrivals, step completions and event delivery (optionally delayed, dropped or stopped per worker).
+is time: arrivals, step completions, event delivery (optionally delayed, dropped or stopped per worker) and
+metric scrapes: every ``scrape_interval_s`` each engine's ``/metrics`` text (workers.engine.metrics, what the
+simulated worker serves) goes through the live router's parser into the core, as the fleet's probe loop does.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import numpy as np
 
 from router.events.codec import EventBatch
 from router.keys import chain_keys
+from router.load import parse_engine_metrics
 from router.scheduling import Endpoint, RouteRequest, RoutingConfig, RoutingCore
 from sim.workload import SimRequest
 from workers.engine import EngineConfig, EngineModel, EngineRequest, StepResult
+from workers.engine.metrics import engine_metrics_text
 
-ARRIVE, STEP_END, EVENTS = 0, 1, 2
+SCRAPE, ARRIVE, STEP_END, EVENTS = 0, 1, 2, 3
 
 
 @dataclass
@@ -43,6 +47,7 @@ class SimConfig:
     routing: RoutingConfig | None = None  # default: RoutingConfig(policy, block size of the engine)
     faults: dict[int, EventFaults] = field(default_factory=dict)
     seed: int = 0
+    scrape_interval_s: float = 1.0  # the live fleet's probe interval (0: no metrics)
 
 
 @dataclass
@@ -86,7 +91,6 @@ class Simulation:
         self.engines = {w: EngineModel(ec) for w in self.ids}
         for i, w in enumerate(self.ids):
             self.core.upsert_endpoint(Endpoint(w, f"10.0.0.{i + 1}:8000"))
-            self.core.cache_tokens[w] = ec.num_gpu_blocks * ec.block_size  # what a live router scrapes
         self.busy = dict.fromkeys(self.ids, False)
         self.seq = dict.fromkeys(self.ids, 0)
         self.published: dict[str, list[EventBatch]] = {w: [] for w in self.ids}  # the replay buffer
@@ -104,6 +108,8 @@ class Simulation:
         started = _time.perf_counter()
         self.next_arrival = 0
         if self.requests:
+            if self.config.scrape_interval_s > 0:
+                self._push(0.0, SCRAPE, None)
             self._push(self.requests[0].arrival, ARRIVE, self.requests[0])
         done = 0
         total = len(self.requests)
@@ -112,8 +118,11 @@ class Simulation:
         hit = prompt = 0
         next_sample = 0.0
         sample_every = max(self.requests[-1].arrival / 200, 1e-3) if self.requests else 1.0
+        end = 0.0  # the last event that was not a scrape: the makespan
         while self.heap:
             now, _, kind, data = heapq.heappop(self.heap)
+            if kind != SCRAPE:
+                end = now
             if kind == ARRIVE:
                 self.next_arrival += 1
                 if self.next_arrival < total:
@@ -132,6 +141,10 @@ class Simulation:
                 done += len(finished)
                 if progress and finished:
                     progress(done, total)
+            elif kind == SCRAPE:
+                self._scrape(now)
+                if self.next_arrival < total or any(e.has_work for e in self.engines.values()):
+                    self._push(now + self.config.scrape_interval_s, SCRAPE, None)
             else:
                 w, batch = data  # type: ignore[misc]
                 self._deliver(w, batch, now)
@@ -144,7 +157,7 @@ class Simulation:
         for rec in records:
             if rec.worker and rec.outcome == "routed":
                 per_worker[rec.worker] += rec.prompt_tokens
-        return SimResult(self.core.policy_name, records, now, per_worker, timeline, len(records),
+        return SimResult(self.core.policy_name, records, end, per_worker, timeline, len(records),
                          _time.perf_counter() - started)
 
     # ---- events ----------------------------------------------------------------------------------
@@ -171,6 +184,10 @@ class Simulation:
         if not self.busy[w]:
             self._start_step(w, now)
         return True
+
+    def _scrape(self, now: float) -> None:
+        for w, engine in self.engines.items():
+            self.core.update_metrics(w, parse_engine_metrics(engine_metrics_text(engine), now))
 
     def _start_step(self, w: str, now: float) -> None:
         # nothing reaches this engine before the next arrival: let pure decode runs fast-forward to it

@@ -20,11 +20,12 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import HistogramMetricFamily
 
 from router.frontends.openai import error_response as error
 from router.tokenizer import PromptError, PromptTokenizer
 from workers.engine import EngineModel, EngineRequest, TokenOutput
+from workers.engine.metrics import engine_metric_families
 from workers.sim.publisher import KvEventPublisher
 
 log = logging.getLogger(__name__)
@@ -51,25 +52,7 @@ class _Metrics:
         w, e = self.w, self.w.engine
         labels = ["model_name", "engine"]
         lv = [w.model, str(w.dp_rank)]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(lv, value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(lv, value)
-            return c
-
-        yield gauge("vllm:num_requests_running", "Requests in model execution batches.", e.num_running)
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", e.num_waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.kv_usage)
-        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", e.stats.prefix_queries_tokens)
-        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", e.stats.prefix_hits_tokens)
-        yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", e.stats.preemptions)
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", e.stats.prompt_tokens)
-        yield counter("vllm:generation_tokens", "Number of generation tokens.", e.stats.generation_tokens)
+        yield from engine_metric_families(e, w.model, w.dp_rank)
         h = HistogramMetricFamily("vllm:time_to_first_token_seconds", "Histogram of time to first token.",
                                   labels=labels)
         buckets, acc = [], 0
@@ -79,11 +62,6 @@ class _Metrics:
         buckets.append(("+Inf", acc + w.ttft_counts[-1]))
         h.add_metric(lv, buckets, w.ttft_sum)
         yield h
-        c = e.config
-        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                 labels=["block_size", "num_gpu_blocks", "num_cpu_blocks", "enable_prefix_caching"])
-        info.add_metric([str(c.block_size), str(c.num_gpu_blocks), str(c.cpu_blocks), "True"], 1.0)
-        yield info
 
 
 class SimWorker:
