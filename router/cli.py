@@ -249,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "quality":
             bp.add_argument("--seeds", type=int, default=None,
                             help="workload seeds, every policy on each (default 8; 2 with --quick)")
+        if name == "decide":
+            bp.add_argument("--policies", type=lambda v: v.split(","), default=None,
+                            help="profiles timed at 64 workers beside precise (default precise,round_robin,random)")
+            bp.add_argument("--baseline", help="a git revision to time in the same run, interleaved (e.g. HEAD~1)")
+            bp.add_argument("--rounds", type=int, default=None, help="interleaved rounds with --baseline (3)")
         if name == "soak":
             bp.add_argument("--duration", type=float, default=None,
                             help="seconds of load (default 600; 60 with --quick)")

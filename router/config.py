@@ -170,10 +170,10 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     where = str(path or "config")
     scheduling = data.pop("scheduling", None)
     routing = data.get("routing")
-    if scheduling is not None:  # the profiles must be known before routing.policy names one
-        if routing is None or isinstance(routing, dict):
-            data["routing"] = {**(routing or {}), "scheduling": _check(scheduling, SchedulingConfig,
-                                                                       f"{where}.scheduling")}
+    if scheduling is not None and (routing is None or isinstance(routing, dict)):
+        # the profiles must be known before routing.policy names one
+        data["routing"] = {**(routing or {}), "scheduling": _check(scheduling, SchedulingConfig,
+                                                                   f"{where}.scheduling")}
     cfg = _build(RouterConfig, data, where)
     cfg.scheduling = cfg.routing.scheduling
     try:  # every plugin, parameter and import resolved now, not at the first request

@@ -7,6 +7,11 @@ cost and a memory wait over every request in flight). Timed: ``RoutingCore.decid
 speculative match, estimates, ranking, explain), on block keys computed beforehand (their cost is reported
 apart). Between decisions the request is dispatched to the chosen worker and completed (untimed), so each
 decision also rebuilds that one worker's memory-release schedule, as it would live.
+
+Other profiles (``--policies``) are timed on the 64-worker cells beside precise: a profile without a
+prefix-aware scorer never walks the index, so it must cost less. ``--baseline REV`` runs the same bench from
+another commit (a git worktree, in a subprocess) interleaved with this one, round by round, and reports the
+medians of both and their ratio: machine noise hits both alike.
 """
 
 from __future__ import annotations
@@ -14,9 +19,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from router.bench.load import p99
 from router.index import Medium
@@ -28,8 +38,9 @@ BLOCK = 16
 SIZES = {"8k": 8192, "32k": 32768}
 
 
-def _core(n_workers: int, keys: list[int], blocks_per_worker: int, rng: random.Random) -> RoutingCore:
-    core = RoutingCore(RoutingConfig(policy="precise", block_size=BLOCK, seed=0))
+def _core(n_workers: int, keys: list[int], blocks_per_worker: int, rng: random.Random,
+          policy: str = "precise") -> RoutingCore:
+    core = RoutingCore(RoutingConfig(policy=policy, block_size=BLOCK, seed=0))
     h = 1
     for j in range(n_workers):
         wid = f"w{j}"
@@ -45,36 +56,98 @@ def _core(n_workers: int, keys: list[int], blocks_per_worker: int, rng: random.R
     return core
 
 
-def run(quick: bool = False) -> dict:
+def _time_cell(core: RoutingCore, keys: list[int], n_tokens: int, iters: int, label: str, p50: dict[str, float],
+               p99_ms: dict[str, float]) -> None:
+    samples = []
+    gc.collect()
+    for i in range(iters):
+        req = RouteRequest(f"r{i}", keys, n_tokens, BLOCK, 128)
+        t0 = time.perf_counter()
+        d = core.decide(req, now=0.5)
+        samples.append((time.perf_counter() - t0) * 1e3)
+        # as in a live router, the chosen worker's requests change before the next decision
+        core.dispatch(req, d, d.chosen, now=0.5)
+        core.completed(req.request_id, now=0.5)
+    samples.sort()
+    p50[label] = round(statistics.median(samples), 4)
+    p99_ms[label] = round(p99(samples), 4)
+
+
+def run(quick: bool = False, policies: tuple[str, ...] = ("precise",)) -> dict:
     rng = random.Random(5)
     workers = (8, 64) if quick else (8, 64, 256)
     iters = 50 if quick else 400
     p50: dict[str, float] = {}
     p99_ms: dict[str, float] = {}
+    blocks = 2000 if quick else 16_000
     for size_name, n_tokens in SIZES.items():
         tokens = [rng.randrange(32000) for _ in range(n_tokens)]
         keys = request_keys(tokens, BLOCK)
         for n in workers:
-            core = _core(n, keys, 2000 if quick else 16_000, rng)
-            samples = []
-            gc.collect()
-            for i in range(iters):
-                req = RouteRequest(f"r{i}", keys, n_tokens, BLOCK, 128)
-                t0 = time.perf_counter()
-                d = core.decide(req, now=0.5)
-                samples.append((time.perf_counter() - t0) * 1e3)
-                # as in a live router, the chosen worker's requests change before the next decision
-                core.dispatch(req, d, d.chosen, now=0.5)
-                core.completed(req.request_id, now=0.5)
-            samples.sort()
-            label = f"{size_name}@{n}"
-            p50[label] = round(statistics.median(samples), 4)
-            p99_ms[label] = round(p99(samples), 4)
+            _time_cell(_core(n, keys, blocks, rng), keys, n_tokens, iters, f"{size_name}@{n}", p50, p99_ms)
+        other = random.Random(7)  # the precise cells above draw exactly what the bench always drew
+        for policy in policies:
+            if policy != "precise":
+                _time_cell(_core(64, keys, blocks, other, policy), keys, n_tokens, iters,
+                           f"{size_name}@64/{policy}", p50, p99_ms)
     return {"p50_ms": p50, "p99_ms": p99_ms, "iterations": iters, "block_size": BLOCK}
 
 
+def _subprocess_run(tree: Path, quick: bool, policies: tuple[str, ...]) -> dict:
+    """This bench as ``tree``'s code runs it (its own router package first on the path)."""
+    code = ("import json, sys, router; from router.bench.decide_bench import run; "
+            f"r = run(quick={quick!r}" + (f", policies={policies!r})" if tree is None else ")") +
+            "; r['router'] = router.__file__; print(json.dumps(r))")
+    cwd = tree or Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(cwd)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, check=True)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["router"].startswith(str(cwd)), f"ran {res['router']}, not {cwd}"
+    return res
+
+
+def compare(baseline: str, quick: bool, rounds: int, policies: tuple[str, ...]) -> dict:
+    """This tree and ``baseline`` (a git revision), interleaved ``rounds`` times; medians per cell and the ratio."""
+    repo = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "baseline"
+        subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), baseline], check=True,
+                       capture_output=True)
+        try:
+            runs: dict[str, list[dict]] = {"current": [], "baseline": []}
+            for _ in range(rounds):
+                runs["current"].append(_subprocess_run(None, quick, policies))  # type: ignore[arg-type]
+                runs["baseline"].append(_subprocess_run(tree, quick, policies))
+        finally:
+            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], check=False,
+                           capture_output=True)
+    out: dict = {"baseline": baseline, "rounds": rounds, "p99_ms": {}, "p50_ms": {}}
+    for stat in ("p50_ms", "p99_ms"):
+        for label in runs["current"][0][stat]:
+            cur = statistics.median(r[stat][label] for r in runs["current"])
+            base = [r[stat][label] for r in runs["baseline"] if label in r[stat]]
+            entry = {"current": round(cur, 4)}
+            if base:
+                entry["baseline"] = round(statistics.median(base), 4)
+                entry["ratio"] = round(cur / entry["baseline"], 3)
+            out[stat][label] = entry
+    return out
+
+
 def main(args: argparse.Namespace) -> int:
-    res = run(quick=args.quick)
+    policies = tuple(getattr(args, "policies", None) or ["precise", "round_robin", "random"])
+    if getattr(args, "baseline", None):
+        res = compare(args.baseline, args.quick, args.rounds or 3, policies)
+        if args.json:
+            print(json.dumps(res, indent=2, sort_keys=True))
+            return 0
+        print(f"baseline {res['baseline']}, {res['rounds']} interleaved rounds, medians")
+        print(f"{'prompt@workers':<26}{'p99 ms':>10}{'baseline':>10}{'ratio':>8}")
+        for label, e in res["p99_ms"].items():
+            print(f"{label:<26}{e['current']:>10.3f}{e.get('baseline', float('nan')):>10.3f}"
+                  f"{e.get('ratio', float('nan')):>8.3f}")
+        return 0
+    res = run(quick=args.quick, policies=policies)
     if args.json:
         print(json.dumps(res, indent=2, sort_keys=True))
         return 0

@@ -224,6 +224,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                                         session=st.headers.get(self.session_header), subset=st.subset)
             st.streamed = parsed.stream
         decision = self.core.decide(rreq, time.monotonic())
+        self.metrics.decision_seconds.observe(time.monotonic() - st.started)
         credited = any(c.prefix_credit for c in decision.candidates if not c.filtered)
         self.metrics.decisions.labels(decision.policy, decision.outcome, str(credited).lower()).inc()
         if decision.outcome != "routed":

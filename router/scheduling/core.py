@@ -125,41 +125,46 @@ class RoutingCore:
         snap = Snapshot(self.state, req, now)
         decision = Decision(profile.name)
         eligible, filtered = [], []
+        filters = [f.filter for f in profile.filters]
         for c in snap.candidates:
             reason = None
-            for f in profile.filters:
-                reason = f.filter(snap, c)
+            for f in filters:
+                reason = f(snap, c)
                 if reason:
                     break
-            c.report.filtered = reason
+            c.filtered = reason
             (filtered if reason else eligible).append(c)
         if not eligible:
-            saturated = any(c.report.filtered == SATURATED for c in filtered)
+            saturated = any(c.filtered == SATURATED for c in filtered)
             decision.outcome = "shed" if saturated else "no_endpoint"
             decision.reason = "every eligible worker is saturated" if saturated else (
-                "no eligible endpoint: " + "; ".join(f"{c.worker_id}: {c.report.filtered}" for c in filtered)
+                "no eligible endpoint: " + "; ".join(f"{c.worker_id}: {c.filtered}" for c in filtered)
                 if filtered else "no endpoints known")
-            decision.candidates = [c.report for c in filtered]
+            decision.candidates = list(filtered)
             return decision
         snap.eligible = eligible
-        totals = [0.0] * len(eligible)
-        for scorer, weight in profile.scorers:
-            for i, s in enumerate(scorer.score(snap, eligible)):
-                totals[i] += weight * s
+        scorers = profile.scorers
+        if len(scorers) == 1 and scorers[0][1] == 1.0:
+            totals = scorers[0][0].score(snap, eligible)
+        else:
+            totals = [0.0] * len(eligible)
+            for scorer, weight in scorers:
+                for i, s in enumerate(scorer.score(snap, eligible)):
+                    totals[i] += weight * s
         for c, total in zip(eligible, totals, strict=True):
-            c.report.score = total
+            c.score = total
         decision.ranked = profile.picker.pick(snap, eligible, totals)
-        chosen = next(c.report for c in eligible if c.worker_id == decision.ranked[0])
+        chosen = next(c for c in eligible if c.worker_id == decision.ranked[0])
         decision.uncached_tokens = req.prompt_tokens - hit_tokens(chosen.matched_blocks, req.block_size,
                                                                   req.prompt_tokens)
         decision.predicted_ttft_s = chosen.ttft_s or None
-        if profile.uses_prefix and not any(c.report.prefix_credit for c in eligible):
+        if profile.uses_prefix and not any(c.prefix_credit for c in eligible):
             decision.reason = "load only: no worker's index is synced and fresh"
         elif profile.uses_prefix:
             decision.reason = f"min estimated TTFT {chosen.ttft_s * 1e3:.1f} ms"
         else:
             decision.reason = profile.name
-        decision.candidates = [c.report for c in eligible] + [c.report for c in filtered]
+        decision.candidates = [*eligible, *filtered]
         return decision
 
     # ---- request lifecycle ---------------------------------------------------------------------

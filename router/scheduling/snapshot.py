@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.index import PrefixMatch
+from router.index import Medium, PrefixMatch
 from router.load import EngineMetrics, WorkerLoad, tail_blocks
 from router.scheduling.cost import CostModel
 from router.scheduling.state import FleetState
@@ -19,22 +19,23 @@ from router.scheduling.types import CandidateReport, Endpoint, RouteRequest
 
 
 @dataclass(slots=True)
-class Candidate:
-    endpoint: Endpoint
-    report: CandidateReport  # what the decision says about it (filled by the snapshot and the scorers)
-    load: WorkerLoad | None  # the router's in-flight accounting there
-    metrics: EngineMetrics | None  # the engine's own, if fresh
-    capacity_tokens: int | None  # GPU KV-cache capacity the engine reports
-    state: str  # index state: synced | unsynced | unverified | stale | no-events
+class Candidate(CandidateReport):
+    """One worker in one decision: what the decision reports about it (its ``CandidateReport`` fields, filled by
+    the snapshot and the scorers) and the live facts plugins read."""
+
+    endpoint: Endpoint | None = None
+    load: WorkerLoad | None = None  # the router's in-flight accounting there
+    metrics: EngineMetrics | None = None  # the engine's own, if fresh
+    capacity_tokens: int | None = None  # GPU KV-cache capacity the engine reports
 
     @property
-    def worker_id(self) -> str:
-        return self.endpoint.worker_id
+    def report(self) -> CandidateReport:
+        return self
 
     @property
-    def inflight(self) -> float:
+    def busy(self) -> float:
         """Requests in flight: the router's count, or the engine's when that is higher (other routers)."""
-        load = float(self.load.requests) if self.load else 0.0
+        load = float(self.inflight)
         m = self.metrics
         if m is not None and m.running is not None and m.waiting is not None:
             load = max(load, m.running + m.waiting)
@@ -47,14 +48,15 @@ class Snapshot:
         self.now = now
         self._state = state
         self.candidates: list[Candidate] = []
-        for ep in state.endpoints.values():
-            wid = ep.worker_id
-            load = state.load.workers.get(wid)
-            cand = Candidate(ep, CandidateReport(wid, inflight=load.requests if load else 0), load,
-                             state.fresh_metrics(wid, now), state.cache_tokens.get(wid), state.index_state(wid, now))
-            cand.report.state = cand.state
-            cand.report.prefix_credit = cand.state == "synced"
-            self.candidates.append(cand)
+        loads, metrics, capacity = state.load.workers, state.metrics, state.cache_tokens
+        max_age, index_state = state.metrics_max_age_s, state.index_state
+        for wid, ep in state.endpoints.items():
+            load = loads.get(wid)
+            m = metrics.get(wid)
+            st = index_state(wid, now)
+            self.candidates.append(Candidate(
+                wid, state=st, prefix_credit=st == "synced", inflight=load.requests if load else 0, endpoint=ep,
+                load=load, metrics=m.fresh(now, max_age) if m else None, capacity_tokens=capacity.get(wid)))
         self.eligible: list[Candidate] = self.candidates
         self._matched: dict[str, PrefixMatch | None] | None = None
         self._best_held = 0
@@ -67,10 +69,14 @@ class Snapshot:
     # ---- prefix matches (lazy) -----------------------------------------------------------------
     def prefix(self, cand: Candidate) -> PrefixMatch | None:
         """The prompt's blocks the candidate holds, per tier, as far as the router may credit them."""
+        return self.matches().get(cand.worker_id)
+
+    def matches(self) -> dict[str, PrefixMatch | None]:
+        """``prefix`` of every eligible candidate, by worker id."""
         if self._matched is None:
             self._match()
         assert self._matched is not None
-        return self._matched.get(cand.worker_id)
+        return self._matched
 
     def best_held(self) -> int:
         """The most prompt blocks any eligible candidate holds."""
@@ -83,24 +89,31 @@ class Snapshot:
         matches = state.index.match(req.keys) if req.keys else {}
         spec = state.speculative.match(req.keys, self.now) if req.keys else {}
         held: dict[str, PrefixMatch | None] = {}
+        best = 0
         for c in self.eligible:
-            r = c.report
+            r = c
             m = matches.get(c.worker_id) if r.prefix_credit else None
+            blocks = 0
             if m is not None:
                 r.matched_gpu, r.matched_cpu, r.matched_storage = m.gpu, m.cpu, m.storage
+                blocks = m.gpu + m.cpu + m.storage
             # what we sent there in the last seconds stays true while its index resyncs (a replay in flight)
-            r.speculative = spec.get(c.worker_id, 0) if c.state in ("synced", "unsynced") else 0
-            if r.speculative > r.matched_blocks:
+            r.speculative = spec.get(c.worker_id, 0) if spec and c.state in ("synced", "unsynced") else 0
+            if r.speculative > blocks:
                 # blocks on their way to this worker: count them as they will be (on GPU)
                 r.matched_gpu, r.matched_cpu, r.matched_storage = r.speculative, 0, 0
                 m = PrefixMatch(r.speculative)
+                blocks = r.speculative
             held[c.worker_id] = m
+            if blocks > best:
+                best = blocks
         self._matched = held
-        self._best_held = max((c.report.matched_blocks for c in self.eligible), default=0)
+        self._best_held = best
 
     # ---- memory ----------------------------------------------------------------------------------
     def resident_tokens(self, cand: Candidate) -> int:
-        return self._state.resident_tokens(cand.worker_id)
+        """What the candidate's GPU cache holds, by the index."""
+        return self._state.index.blocks_held_on(cand.worker_id, Medium.GPU) * self._state.block_size
 
     def memory_wait_s(self, cand: Candidate, decode_step_s: float) -> float:
         """Until the requests in flight there free room for this request's KV blocks; 0 if they fit now."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -72,7 +72,10 @@ class CandidateReport:
         return self.matched_gpu + self.matched_cpu + self.matched_storage
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+        return {k: getattr(self, k) for k in REPORT_FIELDS}
+
+
+REPORT_FIELDS = tuple(f.name for f in fields(CandidateReport))
 
 
 @dataclass(slots=True)

@@ -34,7 +34,7 @@ class ApproxPrefix(Scorer):
 
     def score(self, snap: Snapshot, cands: Sequence[Candidate]) -> list[float]:
         p, keys = self.params, snap.request.keys
-        loads = [c.inflight for c in cands]
+        loads = [c.busy for c in cands]
         if max(loads) - min(loads) > p.balance_abs and max(loads) > p.balance_rel * min(loads):
             return loads
         if keys:

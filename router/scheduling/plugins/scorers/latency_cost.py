@@ -17,16 +17,17 @@ class LatencyCost(Scorer):
 
     def score(self, snap: Snapshot, cands: Sequence[Candidate]) -> list[float]:
         req, costs = snap.request, snap.costs
-        best_held = snap.best_held()
+        matches, best_held = snap.matches(), snap.best_held()
+        prompt, block_size, step_s = req.prompt_tokens, req.block_size, costs.params.decode_step_s
+        estimate, resident, memory_wait = costs.estimate, snap.resident_tokens, snap.memory_wait_s
         out = []
         for c in cands:
-            r = c.report
-            match = snap.prefix(c)
-            duplicate = (best_held - r.matched_blocks) * req.block_size
+            r = c
+            match = matches.get(c.worker_id)
+            duplicate = (best_held - r.matched_gpu - r.matched_cpu - r.matched_storage) * block_size
             capacity = c.capacity_tokens
-            est = costs.estimate(c.worker_id, req.prompt_tokens, req.block_size, match, c.load, c.metrics, duplicate,
-                                 snap.resident_tokens(c) if capacity else 0, capacity,
-                                 snap.memory_wait_s(c, costs.params.decode_step_s))
+            est = estimate(c.worker_id, prompt, block_size, match, c.load, c.metrics, duplicate,
+                           resident(c) if capacity else 0, capacity, memory_wait(c, step_s))
             r.queue_s, r.prefill_s, r.decode_s, r.ttft_s = est.queue_s, est.prefill_s, est.decode_s, est.ttft_s
             r.interference_s, r.eviction_s = est.interference_s, est.eviction_s
             out.append(est.score)

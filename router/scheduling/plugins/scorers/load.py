@@ -12,4 +12,4 @@ class Load(Scorer):
     type_name = "load"
 
     def score(self, snap: Snapshot, cands: Sequence[Candidate]) -> list[float]:
-        return [c.inflight for c in cands]
+        return [c.busy for c in cands]
