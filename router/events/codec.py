@@ -102,10 +102,14 @@ def decode_payload(payload: bytes) -> EventBatch:
         return _typed.decode(payload)
     except (msgspec.ValidationError, msgspec.DecodeError):
         pass
+    except RecursionError:
+        raise MalformedFrame("payload nested too deeply") from None
     try:
         raw = _generic.decode(payload)
     except msgspec.DecodeError as e:
         raise MalformedFrame(f"payload is not msgpack: {e}") from None
+    except RecursionError:
+        raise MalformedFrame("payload nested too deeply") from None
     if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
         raise MalformedFrame("payload is not an [ts, events, dp_rank] array")
     ts, events = raw[0], raw[1]
@@ -139,6 +143,8 @@ def _event_from_raw(raw: Any) -> KvEvent | None:
         return msgspec.convert(known, cls)
     except msgspec.ValidationError as e:
         raise MalformedFrame(f"bad {tag}: {e}") from None
+    except RecursionError:
+        raise MalformedFrame(f"bad {tag}: nested too deeply") from None
 
 
 def decode_seq(frame: bytes) -> int:

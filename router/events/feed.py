@@ -225,8 +225,8 @@ class IndexFeeder:
                     if self._work >= SLICE_BLOCKS:  # counted across batches: a long replay yields too
                         self._work = 0
                         yield
-            except (MalformedFrame, ValueError, OverflowError, TypeError):
-                f.malformed += 1
+            except (MalformedFrame, ValueError, OverflowError, TypeError, RecursionError):
+                f.malformed += 1  # (RecursionError: extra keys nested past what hashing them can walk)
                 continue
             f.events[kind] += 1
         if not f.synced and f.unsynced_since is not None and now - f.unsynced_since >= self.resync_after_s:

@@ -162,7 +162,10 @@ class KvEventSubscriber:
         try:
             if worker_id is not None:
                 if worker_id in self.replay_endpoints:
-                    await self._bootstrap(worker_id)
+                    try:
+                        await self._bootstrap(worker_id)
+                    except Exception:  # a broken replay must not end the subscription: live events go on
+                        log.exception("connect-time replay of %s failed", worker_id)
                 self.ready.add(worker_id)
             while True:
                 frames = await sock.recv_multipart()

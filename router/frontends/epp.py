@@ -147,7 +147,12 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                         yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
                 elif kind == "request_body":
                     st.body += req.request_body.body
-                    if len(st.body) > self.max_body_bytes:
+                    if st.handle is not None:  # a body that ends twice: refuse, and end what was dispatched
+                        st.handle.fail(time.monotonic())
+                        st.refused = True
+                        self.metrics.requests.labels("400").inc()
+                        yield _immediate(400, "the request body ended twice")
+                    elif len(st.body) > self.max_body_bytes:
                         st.refused = True
                         self.metrics.requests.labels("413").inc()
                         yield _immediate(413, f"request body over the {self.max_body_bytes}-byte limit")
@@ -208,6 +213,10 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
     async def _route(self, st: _Stream) -> list[pb.ProcessingResponse]:
         path = st.headers.get(":path", "").split("?")[0]
         body = bytes(st.body)
+        if not is_api_path(path):  # a body before any headers names no path at all
+            st.refused = True
+            self.metrics.requests.labels("404").inc()
+            return [_immediate(404, f"no such path: {path[:200]!r}")]
         if path.rstrip("/") not in GENERATE_PATHS:
             rreq = RouteRequest(uuid.uuid4().hex, [], 0, self.block_size, 1, subset=st.subset)
         else:

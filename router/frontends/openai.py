@@ -122,19 +122,17 @@ def parse_body(raw: bytes, path: str, tokenizer_for: Callable[[str | None], Prom
     asked = _positive_int(body, "max_completion_tokens") if chat else None
     if asked is None:
         asked = _positive_int(body, "max_tokens")
-    changed = False
     if salt.trust_client:
         cache_salt = body.get("cache_salt")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise BadRequest("'cache_salt' must be a non-empty string")
     else:
+        # always re-encoded: the client's bytes may repeat the key, and a parser that keeps the first value
+        # (the worker's may) would read the client's salt where ours was meant
         cache_salt = salt.salt
-        if body.get("cache_salt") != cache_salt:
-            changed = True
-            if cache_salt is None:
-                body.pop("cache_salt", None)
-            else:
-                body["cache_salt"] = cache_salt
+        body.pop("cache_salt", None)
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
     try:
         tokenizer = tokenizer_for(model)
     except KeyError:
@@ -147,7 +145,7 @@ def parse_body(raw: bytes, path: str, tokenizer_for: Callable[[str | None], Prom
         refusal = context_error(len(ids), asked, max_model_len)
         if refusal:
             raise BadRequest(refusal)
-    return ParsedRequest(body, _json_encode(body) if changed else raw, chat, model, stream,
+    return ParsedRequest(body, raw if salt.trust_client else _json_encode(body), chat, model, stream,
                          asked if asked is not None else 16, cache_salt, ids)
 
 

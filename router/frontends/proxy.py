@@ -43,18 +43,24 @@ MAX_JSON_TAIL_BYTES = 4 * 1024 * 1024  # a non-streamed answer longer than this 
 
 
 def cached_tokens_from(tail: bytes, streamed: bool) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` from a JSON body or the last SSE chunks."""
+    """``usage.prompt_tokens_details.cached_tokens`` from a JSON body or the last SSE chunks; None unless it is
+    there as a non-negative integer (a worker's answer is input too: it must not break the metrics)."""
     try:
         if not streamed:
-            usage = json.loads(tail).get("usage") or {}
-            return (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            return _cached_tokens(json.loads(tail))
         for line in reversed(tail.split(b"\n")):
             if line.startswith(b"data: {") and b'"usage"' in line:
-                usage = json.loads(line[6:]).get("usage") or {}
-                return (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    except (ValueError, AttributeError):
+                return _cached_tokens(json.loads(line[6:]))
+    except (ValueError, RecursionError):
         return None
     return None
+
+
+def _cached_tokens(answer: Any) -> int | None:
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    n = details.get("cached_tokens") if isinstance(details, dict) else None
+    return n if type(n) is int and n >= 0 else None
 
 
 class ProxyServer:
