@@ -277,8 +277,11 @@ def main(args: argparse.Namespace) -> int:
     if args.rounds > 1:
         print(f"median over {args.rounds} rounds (each policy's rounds in rotated order):")
     print(table(runs))
-    path = chart(runs, Path(args.chart))
-    print(f"\nchart: {path}   total {time.monotonic() - started:.0f} s")
+    try:
+        shown = f"chart: {chart(runs, Path(args.chart))}"
+    except ImportError:
+        shown = "no chart: pip install 'kvrouter[charts]' (matplotlib) to draw one"
+    print(f"\n{shown}   total {time.monotonic() - started:.0f} s")
     print("one workload, so a few points of hit rate are run-to-run noise; `kvrouter bench quality` pools 8 seeds")
     if args.json:
         Path(args.json).write_text(json.dumps({r.policy: r.summary() for r in runs}, indent=2))

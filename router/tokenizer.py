@@ -23,7 +23,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "workers" / "sim" / "data"
+DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent / "data"  # package data: the bundled BPE
 # slack on the length bound: a normalizer that composes characters (NFC/NFKC) can shorten a text
 BOUND_SLACK = 2
 

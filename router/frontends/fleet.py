@@ -108,11 +108,7 @@ class Fleet:
         self.core.remove_endpoint(worker_id)
 
     def drain(self, worker_id: str, draining: bool = True) -> bool:
-        ep = self.core.endpoints.get(worker_id)
-        if ep is None:
-            return False
-        ep.draining = draining
-        return True
+        return self.core.set_draining(worker_id, draining)
 
     def max_model_len(self) -> int:
         """The most tokens a request may need: the configured limit, else the largest context any worker
@@ -205,9 +201,8 @@ class Fleet:
             ok = False
         if ok:
             self.failures[worker_id] = 0
-            if not ep.healthy:
+            if self.core.set_healthy(worker_id, True):
                 log.info("worker %s is healthy again", worker_id)
-            ep.healthy = True
         else:
             self.mark_failure(worker_id)
 
@@ -231,7 +226,5 @@ class Fleet:
         self.failures[worker_id] = n
         self.context_lens.pop(worker_id, None)  # a restarted engine may serve another context length
         self.core.worker_failed(worker_id, self.clock())
-        ep = self.core.endpoints.get(worker_id)
-        if ep is not None and n >= self.unhealthy_after and ep.healthy:
+        if n >= self.unhealthy_after and self.core.set_healthy(worker_id, False):
             log.warning("worker %s marked unhealthy after %d failures", worker_id, n)
-            ep.healthy = False

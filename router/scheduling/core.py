@@ -107,6 +107,12 @@ class RoutingCore:
     def worker_failed(self, worker_id: str, now: float) -> None:
         self.state.worker_failed(worker_id, now)
 
+    def set_healthy(self, worker_id: str, healthy: bool) -> bool:
+        return self.state.set_healthy(worker_id, healthy)
+
+    def set_draining(self, worker_id: str, draining: bool) -> bool:
+        return self.state.set_draining(worker_id, draining)
+
     def resident_tokens(self, worker_id: str) -> int:
         return self.state.resident_tokens(worker_id)
 

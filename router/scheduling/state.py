@@ -57,6 +57,22 @@ class FleetState:
         if metrics.cache_tokens:
             self.cache_tokens[worker_id] = metrics.cache_tokens
 
+    def set_healthy(self, worker_id: str, healthy: bool) -> bool:
+        """Health as the probes (or requests) found it; returns whether it changed."""
+        ep = self.endpoints.get(worker_id)
+        if ep is None or ep.healthy == healthy:
+            return False
+        ep.healthy = healthy
+        return True
+
+    def set_draining(self, worker_id: str, draining: bool) -> bool:
+        """Draining takes no new requests (``/admin/drain``, a terminating pod); False for an unknown worker."""
+        ep = self.endpoints.get(worker_id)
+        if ep is None:
+            return False
+        ep.draining = draining
+        return True
+
     def worker_failed(self, worker_id: str, now: float) -> None:
         """A worker failed to answer (probe or request): it may be restarting with an empty cache, so its
         prefix credit, from the index and from what was just sent there, ends until its events prove its state."""

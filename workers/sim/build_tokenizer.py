@@ -1,6 +1,6 @@
 """Build the small BPE tokenizer shipped for the simulated worker (nothing can be downloaded at run time).
 
-``python -m workers.sim.build_tokenizer`` rewrites ``workers/sim/data/``: a byte-level BPE trained on
+``python -m workers.sim.build_tokenizer`` rewrites ``router/data/``: a byte-level BPE trained on
 generated text, and a ``tokenizer_config.json`` with a Jinja chat template, as a Hugging Face model has.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "router" / "data"
 SPECIAL = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"

@@ -1,7 +1,7 @@
 """Build a tiny random-weight Llama that vLLM's CPU build can serve (nothing can be downloaded here).
 
 ``python -m workers.vllm.build_tiny_model OUT_DIR`` (run with the vLLM environment's Python: it needs
-transformers and torch). The tokenizer is kvrouter's bundled BPE (workers/sim/data), wrapped as a
+transformers and torch). The tokenizer is kvrouter's bundled BPE (router/data), wrapped as a
 ``PreTrainedTokenizerFast`` with the same chat template, so kvrouter tokenizes exactly as the engine does.
 Model: LlamaConfig, 2 layers, hidden 128, 4 heads, 2 KV heads, random weights (REFERENCE.md section 3).
 """
