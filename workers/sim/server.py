@@ -193,11 +193,13 @@ class SimWorker:
         max_tokens = body.get("max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens")
         if max_tokens is None:
             max_tokens = 16
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        if type(max_tokens) is not int or max_tokens < 1:
             return error(400, "max_tokens must be a positive integer")
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
             return error(400, "cache_salt must be a non-empty string")
+        if body.get("stream") not in (None, True, False):
+            return error(400, "stream must be true or false")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
         req = EngineRequest(rid, prompt, max_tokens, cache_salt=salt, arrival=time.monotonic())
         try:
