@@ -157,16 +157,16 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from router.demo import main as demo_main
+    from bench.demo import main as demo_main
 
     return demo_main(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    """Every ``kvrouter bench NAME`` lives in router/bench/NAME_bench.py with a ``main(args)``."""
+    """Every ``kvrouter bench NAME`` lives in bench/NAME_bench.py with a ``main(args)``."""
     import importlib
 
-    return importlib.import_module(f"router.bench.{args.sub}_bench").main(args)
+    return importlib.import_module(f"bench.{args.sub}_bench").main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser("demo", help="simulated workers + proxy on this machine: compare policies, print a "
                         "table, write a chart")
-    from router.demo import add_arguments as demo_arguments
+    from bench.demo import add_arguments as demo_arguments
 
     demo_arguments(dm)
     dm.set_defaults(handler=_demo)
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print a table (or --json)")
     bsub = bench.add_subparsers(dest="sub", required=True)
-    benches = {  # each is router/bench/NAME_bench.py
+    benches = {  # each is bench/NAME_bench.py
         "index": "event ingest rate, match latency, index memory",
         "worker": "simulated worker requests/s at time-scale 0 on one core",
         "decide": "latency of one routing decision over 8/64/256 workers",

@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.bench.load import free_port
-from router.frontends.envoy_config import bootstrap, envoy_process
+from bench.envoy import envoy_process
+from bench.load import free_port
+from router.frontends.envoy_config import bootstrap
 from router.frontends.epp import EndpointPicker, serve_epp
 from router.frontends.fleet import Fleet
 from router.frontends.metrics import RouterMetrics

@@ -88,7 +88,7 @@ def spawn_worker(*args: str) -> WorkerProcess:
     import time
     import urllib.request
 
-    from router.bench.load import free_port
+    from bench.load import free_port
 
     port, ev, rp = free_port(), free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "router.cli", "worker", "sim", "--port", str(port),

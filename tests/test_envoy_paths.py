@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 import yaml
 
-from router.bench.load import free_port
+from bench.load import free_port
 from router.discovery import WorkerSpec
 from router.frontends.api_paths import API_PATHS
 from router.frontends.envoy_config import bootstrap

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.bench.load import free_port
+from bench.load import free_port
 from router.discovery import WorkerSpec
 from router.frontends.envoy_config import bootstrap
 from router.frontends.epp import EndpointPicker, serve_epp

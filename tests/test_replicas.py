@@ -6,7 +6,7 @@ import aiohttp
 import grpc
 import pytest
 
-from router.bench.load import free_port, server_process
+from bench.load import free_port, server_process
 from router.gen import picker_pb2 as pb
 from router.gen import picker_pb2_grpc as pb_grpc
 from tests.sim_helpers import start_worker

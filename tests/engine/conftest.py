@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from router.bench.load import free_port
+from bench.load import free_port
 from workers.vllm.launch import cpu_env, vllm_command
 
 ROOT = Path(__file__).resolve().parents[2]

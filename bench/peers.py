@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from router.bench.load import free_port, http_ok, running
+from bench.load import free_port, http_ok, running
 
 
 class PeerUnavailable(RuntimeError):

@@ -12,7 +12,7 @@ import asyncio
 import json
 import statistics
 
-from router.bench.load import drive, free_port, server_process
+from bench.load import drive, free_port, server_process
 
 
 def _bodies(n: int) -> list[dict]:
@@ -35,7 +35,7 @@ def run(quick: bool = False) -> dict:
     n, rounds = (300, 2) if quick else (3000, 5)
     p1, p2 = free_port(), free_port()
     sim = measure(["-m", "router.cli", "worker", "sim", "--port", str(p1), "--time-scale", "0"], p1, n, rounds)
-    floor = measure(["-m", "router.bench.trivial_server", str(p2)], p2, n, rounds)
+    floor = measure(["-m", "bench.trivial_server", str(p2)], p2, n, rounds)
     return {"sim_worker_rps": round(statistics.median(sim), 1), "trivial_http_rps": round(statistics.median(floor), 1),
             "requests_per_round": n, "rounds": rounds, "concurrency": 32, "max_tokens": 4}
 

@@ -17,8 +17,8 @@ import sys
 from contextlib import ExitStack
 from typing import Any
 
-from router.bench.load import sim_workers
-from router.demo import DEMO_DEFAULTS, PolicyRun, run_round, shared_prefix_workload
+from bench.demo import DEMO_DEFAULTS, PolicyRun, run_round, shared_prefix_workload
+from bench.load import sim_workers
 
 POLICIES = ["round_robin", "approx_prefix", "precise", "smg"]
 

@@ -18,9 +18,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from router.bench.load import drive, free_port, p99, server_process, sim_workers
-from router.bench.proxy_bench import _bodies, _c1, _cpu_s
-from router.frontends.envoy_config import bootstrap, envoy_process
+from bench.envoy import envoy_process
+from bench.load import drive, free_port, p99, server_process, sim_workers
+from bench.proxy_bench import _bodies, _c1, _cpu_s
+from router.frontends.envoy_config import bootstrap
 
 
 def run(quick: bool = False) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from typing import Any
 
 import aiohttp
 
-from router.bench.load import free_port, port_open, running
+from bench.load import free_port, port_open, running
 
 TENANT_HEADER = "x-tenant"
 TENANTS = ("tenant-a", "tenant-b", "tenant-c")

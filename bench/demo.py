@@ -23,8 +23,8 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from router.bench.load import free_port, p99, sim_workers
-from router.bench.peers import PeerUnavailable
+from bench.load import free_port, p99, sim_workers
+from bench.peers import PeerUnavailable
 from router.config import load_config
 from router.discovery import parse_worker_arg
 from router.frontends.proxy import ProxyServer
@@ -150,7 +150,7 @@ async def run_policy(policy: str, workers: list[str], worker_urls: list[str], wo
 
 def run_smg(worker_urls: list[str], workload: list[DemoRequest], progress: bool) -> PolicyRun:
     """The peer: SGLang's model gateway, cache_aware policy, in front of the same workers."""
-    from router.bench.peers import smg
+    from bench.peers import smg
 
     asyncio.run(_reset(worker_urls))
     with smg(worker_urls) as url:

@@ -21,8 +21,8 @@ from typing import Any
 
 import aiohttp
 
-from router.bench.load import drive, free_port, p99, server_process, sim_workers
-from router.bench.peers import PeerUnavailable, smg
+from bench.load import drive, free_port, p99, server_process, sim_workers
+from bench.peers import PeerUnavailable, smg
 
 
 def _bodies(n: int, offset: int = 0) -> list[dict[str, Any]]:

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from router.bench.load import p99
+from bench.load import p99
 from router.index import Medium
 from router.keys import request_keys
 from router.load import EngineMetrics
@@ -95,7 +95,7 @@ def run(quick: bool = False, policies: tuple[str, ...] = ("precise",)) -> dict:
 
 def _subprocess_run(tree: Path, quick: bool, policies: tuple[str, ...]) -> dict:
     """This bench as ``tree``'s code runs it (its own router package first on the path)."""
-    code = ("import json, sys, router; from router.bench.decide_bench import run; "
+    code = ("import json, sys, router; from bench.decide_bench import run; "
             f"r = run(quick={quick!r}" + (f", policies={policies!r})" if tree is None else ")") +
             "; r['router'] = router.__file__; print(json.dumps(r))")
     cwd = tree or Path(__file__).resolve().parents[2]
