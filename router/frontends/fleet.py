@@ -194,7 +194,9 @@ class Fleet:
                 async with self._session.get(spec.url + "/metrics") as r:
                     if r.status == 200:
                         self.core.update_metrics(worker_id, parse_engine_metrics(await r.text(), self.clock()))
-            if ok and worker_id not in self.context_lens:
+            if ok and (worker_id not in self.context_lens or self.failures.get(worker_id)):
+                # learned once, and again after failures (a restarted engine may serve another context length;
+                # meanwhile the one it had still bounds prompts)
                 await self._learn_context(worker_id, spec.url)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             log.debug("probe of %s failed: %r", worker_id, e)
@@ -224,7 +226,6 @@ class Fleet:
         ``unhealthy_after`` failures in a row it stops being a candidate."""
         n = self.failures.get(worker_id, 0) + 1
         self.failures[worker_id] = n
-        self.context_lens.pop(worker_id, None)  # a restarted engine may serve another context length
         self.core.worker_failed(worker_id, self.clock())
         if n >= self.unhealthy_after and self.core.set_healthy(worker_id, False):
             log.warning("worker %s marked unhealthy after %d failures", worker_id, n)
