@@ -20,13 +20,14 @@ from tests.zmq_helpers import TestPublisher, wait_until
 pytestmark = pytest.mark.sockets
 
 
-async def health_latencies(session: aiohttp.ClientSession, url: str, until: asyncio.Task) -> list[float]:
-    """GET /health back to back while ``until`` runs; each answer's latency."""
+async def health_latencies(session: aiohttp.ClientSession, url: str, until: asyncio.Task,
+                           statuses: set[int] = frozenset({200})) -> list[float]:
+    """GET /health back to back while ``until`` runs; each answer's latency (its status one of ``statuses``)."""
     out = []
     while not until.done():
         t0 = time.monotonic()
         async with session.get(url + "/health") as r:
-            assert r.status == 200
+            assert r.status in statuses
         out.append(time.monotonic() - t0)
         await asyncio.sleep(0.005)
     return out
@@ -51,15 +52,16 @@ async def test_a_30mb_prompt_is_refused_while_health_answers():
 
 
 async def test_a_large_prompt_is_tokenized_off_the_event_loop():
-    w = await start_worker()
+    w = spawn_worker()  # its own process: the worker tokenizes the prompt too, on its own loop
     try:
         # a budget this large lets a 1.5M-token prompt through to the tokenizer: it must not stall the loop
-        async with proxy([spec_of(w, "w0")], max_model_len=10_000_000) as (_s, url, _a), \
+        async with proxy([w.spec("w0")], max_model_len=10_000_000) as (_s, url, _a), \
                 aiohttp.ClientSession() as s:
             big = json.dumps({"prompt": "hello world " * 200_000, "max_tokens": 4}).encode()
             t0 = time.monotonic()
             task = asyncio.create_task(s.post(url + "/v1/completions", data=big))
-            lat = await health_latencies(s, url, task)
+            # the worker, tokenizing 1.4M tokens itself, may miss its probes: the router's own /health answers
+            lat = await health_latencies(s, url, task, {200, 503})
             r = await task
             took = time.monotonic() - t0
             assert r.status == 400 and r.headers["x-kvrouter-worker"] == "w0"  # tokenized, routed, the worker's 400
@@ -67,7 +69,7 @@ async def test_a_large_prompt_is_tokenized_off_the_event_loop():
             # so a slow or busy machine does not change the verdict)
             assert len(lat) >= 5 and max(lat) < took / 3, (took, lat)
     finally:
-        await w.stop()
+        w.kill()
 
 
 @pytest.mark.parametrize("missing", ["reject", "no_salt"])

@@ -128,3 +128,30 @@ def test_a_malformed_huge_event_fails_whole():
     feeder = IndexFeeder(KvIndex(), block_size=BS)
     feeder.offer("w", 0, EventBatch(0.0, [bad], 0), 0.0)
     assert feeder.feeds["w"].malformed == 1 and feeder.index.blocks_held("w").get(Medium.GPU, 0) == 0
+
+
+def test_engine_counters_going_backwards_mean_a_restart_no_probe_saw():
+    from router.load import EngineMetrics
+
+    core = core_with(2)
+    tokens = list(range(20 * BS))
+    core.feeder.offer("w0", 0, stored_batch(tokens, 1, 0.0), 0.0)
+    core.update_metrics("w0", EngineMetrics(0, 0, 0.1, 1.0, work_tokens=5000.0))
+    core.update_metrics("w0", EngineMetrics(0, 0, 0.1, 2.0, work_tokens=5200.0))
+    assert credit_of(core, tokens, "w0", 2.1) == 20
+    core.update_metrics("w0", EngineMetrics(0, 0, 0.0, 3.0, work_tokens=40.0))  # a new process since
+    assert core.index_state("w0", 3.1) == "unverified" and credit_of(core, tokens, "w0", 3.1) == 0
+
+
+def test_a_worker_reporting_far_fewer_cached_tokens_than_promised_loses_credit():
+    core = core_with(2)
+    tokens = list(range(20 * BS + 5))
+    core.feeder.offer("w0", 0, stored_batch(tokens, 1, 0.0), 0.0)
+    d = core.decide(route(tokens, "a"), 0.1)
+    handle = core.dispatch(route(tokens, "a"), d, "w0", 0.1)
+    assert handle.expected_hit_tokens == 20 * BS
+    handle.complete(0.2)
+    handle.observed_cached(19 * BS + 1, 0.2)  # under a block short: an ordinary rounding, credit stays
+    assert core.index_state("w0", 0.3) == "synced"
+    handle.observed_cached(0, 0.3)  # the worker had none of it: the index is wrong there
+    assert core.index_state("w0", 0.4) == "unverified" and credit_of(core, tokens, "w0", 0.4) == 0

@@ -229,7 +229,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 return [_immediate(e.status, str(e))]
             body = parsed.raw
             lora = parsed.model if parsed.model and self._is_lora(parsed.model) else None
-            rreq = parsed.route_request(uuid.uuid4().hex, self.block_size, lora=lora,
+            rreq = await self.parser.route_request(parsed, uuid.uuid4().hex, self.block_size, lora=lora,
                                         session=st.headers.get(self.session_header), subset=st.subset)
             st.streamed = parsed.stream
         decision = self.core.decide(rreq, time.monotonic())
@@ -303,6 +303,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         reported = cached_tokens_from(st.tail, st.streamed)
         if reported is not None:
             self.metrics.hit_reported.inc(reported)
+            handle.observed_cached(reported, now)
         self.metrics.hit_estimated.inc(handle.expected_hit_tokens)
         self.metrics.prompt_tokens.inc(handle.request.prompt_tokens)
 

@@ -178,5 +178,12 @@ class RequestParser:
         finally:
             self.pending -= 1
 
+    async def route_request(self, parsed: ParsedRequest, request_id: str, block_size: int, **kw: Any) -> RouteRequest:
+        """``parsed.route_request`` (block keys: a hash per block), on a worker thread for long prompts."""
+        if len(parsed.token_ids) <= self.inline_bytes:
+            return parsed.route_request(request_id, block_size, **kw)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: parsed.route_request(request_id, block_size, **kw))
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

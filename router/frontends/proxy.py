@@ -129,7 +129,7 @@ class ProxyServer:
             return error(e.status, str(e), e.kind)
         rid = uuid.uuid4().hex  # ours: a client's x-request-id is forwarded, never used as a key
         lora = parsed.model if parsed.model and self._is_lora(parsed.model) else None
-        rreq = parsed.route_request(rid, self.config.routing.block_size, lora=lora,
+        rreq = await self.parser.route_request(parsed, rid, self.config.routing.block_size, lora=lora,
                                     session=request.headers.get(self.config.session_header))
         decision = self.core.decide(rreq, time.monotonic())
         self.metrics.decision_seconds.observe(time.monotonic() - started)
@@ -236,6 +236,7 @@ class ProxyServer:
             self.metrics.hit_estimated.inc(handle.expected_hit_tokens)
             if reported is not None:
                 self.metrics.hit_reported.inc(reported)
+                handle.observed_cached(reported, now)
             self.metrics.prompt_tokens.inc(handle.request.prompt_tokens)
         return resp
 

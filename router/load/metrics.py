@@ -21,6 +21,9 @@ _NAMES = {
     "sglang:num_running_reqs": "running",
     "sglang:token_usage": "kv_usage",
 }
+# counters of the engine's work since it started: one going backwards means a new process (a restart the probes
+# may never have seen fail)
+_WORK_COUNTERS = {"vllm:prompt_tokens", "vllm:generation_tokens", "sglang:prompt_tokens", "sglang:generation_tokens"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,7 @@ class EngineMetrics:
     kv_usage: float | None
     scraped_at: float
     cache_tokens: int | None = None  # KV-cache capacity: vLLM's cache_config_info num_gpu_blocks x block_size
+    work_tokens: float | None = None  # prompt + generation tokens processed since the engine started
 
     def fresh(self, now: float, max_age_s: float) -> EngineMetrics | None:
         return self if now - self.scraped_at <= max_age_s else None
@@ -39,9 +43,13 @@ def parse_engine_metrics(text: str, scraped_at: float) -> EngineMetrics:
     """Sum across label sets (one engine per DP rank may report under one endpoint)."""
     found: dict[str, float] = {}
     cache_tokens: int | None = None
+    work: float | None = None
     for fam in text_string_to_metric_families(text):
         if fam.name == "vllm:cache_config_info":
             cache_tokens = _cache_tokens(fam.samples) or cache_tokens
+            continue
+        if fam.name in _WORK_COUNTERS:
+            work = (work or 0.0) + sum(s.value for s in fam.samples if s.name.endswith("_total"))
             continue
         field = _NAMES.get(fam.name)
         if field is None:
@@ -49,7 +57,8 @@ def parse_engine_metrics(text: str, scraped_at: float) -> EngineMetrics:
         for s in fam.samples:
             if s.name == fam.name:
                 found[field] = found.get(field, 0.0) + s.value
-    return EngineMetrics(found.get("waiting"), found.get("running"), found.get("kv_usage"), scraped_at, cache_tokens)
+    return EngineMetrics(found.get("waiting"), found.get("running"), found.get("kv_usage"), scraped_at, cache_tokens,
+                         work)
 
 
 def _cache_tokens(samples: list[Any]) -> int | None:

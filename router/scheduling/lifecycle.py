@@ -64,6 +64,13 @@ class Dispatch:
         for p in self.plugins:
             p.on_first_token(r.worker_id, r.predicted_ttft_s, observed, now)
 
+    def observed_cached(self, cached_tokens: int, now: float) -> None:
+        """The worker's own count of the prompt tokens it found cached. Far fewer than the index promised (more
+        than a block short) means the index is wrong for that worker (a restart no probe saw, an eviction the
+        events have not told yet): its credit ends until its next batch shows its state."""
+        if cached_tokens + self.request.block_size < self.expected_hit_tokens:
+            self.state.worker_failed(self.worker_id, now)
+
     def complete(self, now: float) -> None:
         """Served (whatever the status): the accounting ends, what was recorded stays true."""
         if self.ended:

@@ -53,6 +53,13 @@ class FleetState:
         self.awaiting_events_since.pop(worker_id, None)
 
     def update_metrics(self, worker_id: str, metrics: EngineMetrics) -> None:
+        """A scrape. The engine's work counters going backwards mean a new process, even one that restarted
+        between two probes without ever failing one: its cache is empty, so its credit ends until its events
+        prove its state."""
+        prev = self.metrics.get(worker_id)
+        if (prev is not None and prev.work_tokens is not None and metrics.work_tokens is not None
+                and metrics.work_tokens < prev.work_tokens):
+            self.worker_failed(worker_id, metrics.scraped_at)
         self.metrics[worker_id] = metrics
         if metrics.cache_tokens:
             self.cache_tokens[worker_id] = metrics.cache_tokens

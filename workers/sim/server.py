@@ -362,6 +362,7 @@ class SimWorker:
                     q.put_nowait(None)
             self.engine.reset_prefix_cache()
             self.engine.take_events()  # a restarted engine announces nothing: its seq just starts over
+            self.engine.stats = type(self.engine.stats)()  # and its counters start from zero
             if pub is not None:
                 pub.restart()
         if body.get("die"):
