@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, fields
 
 from router.index import PrefixMatch
 from router.load import EngineMetrics, WorkerLoad
+from router.scheduling.types import hit_tokens
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,7 @@ class CostModel:
         gpu = cpu = storage = 0
         if match is not None:
             gpu, cpu, storage = match.gpu * block_size, match.cpu * block_size, match.storage * block_size
-        # the engine always computes the last prompt token, so a full hit still prefills one
-        hit = min(gpu + cpu + storage, max(prompt_tokens - 1, 0))
+        hit = hit_tokens((gpu + cpu + storage) // block_size, block_size, prompt_tokens)
         uncached = prompt_tokens - hit
         pending = load.pending_prefill_tokens if load else 0
         if metrics is not None and metrics.waiting is not None:
