@@ -95,10 +95,12 @@ def run(quick: bool = False, policies: tuple[str, ...] = ("precise",)) -> dict:
 
 def _subprocess_run(tree: Path, quick: bool, policies: tuple[str, ...]) -> dict:
     """This bench as ``tree``'s code runs it (its own router package first on the path)."""
-    code = ("import json, sys, router; from bench.decide_bench import run; "
+    code = ("import json, sys, router\n"
+            "try:  # a commit from before bench/ left router/\n    from router.bench.decide_bench import run\n"
+            "except ImportError:\n    from bench.decide_bench import run\n"
             f"r = run(quick={quick!r}" + (f", policies={policies!r})" if tree is None else ")") +
             "; r['router'] = router.__file__; print(json.dumps(r))")
-    cwd = tree or Path(__file__).resolve().parents[2]
+    cwd = tree or Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(cwd)}
     out = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, check=True)
     res = json.loads(out.stdout.strip().splitlines()[-1])
@@ -108,7 +110,7 @@ def _subprocess_run(tree: Path, quick: bool, policies: tuple[str, ...]) -> dict:
 
 def compare(baseline: str, quick: bool, rounds: int, policies: tuple[str, ...]) -> dict:
     """This tree and ``baseline`` (a git revision), interleaved ``rounds`` times; medians per cell and the ratio."""
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "baseline"
         subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), baseline], check=True,
