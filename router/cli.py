@@ -11,6 +11,77 @@ from collections.abc import Callable, Sequence
 Handler = Callable[[argparse.Namespace], int]
 
 
+def _version() -> str:
+    """The installed distribution's version; from a bare checkout, pyproject.toml's."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvrouter")
+    except metadata.PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+
+        try:
+            pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+            return str(tomllib.loads(pyproject)["project"]["version"])
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown"
+
+
+class _OneValue(argparse.Action):
+    """Stores like the default action; two spellings of one setting (``--port`` and the upstream EPP's
+    ``--grpc-port``) given different values are an error. One spelling repeated keeps the last, as usual."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None, shown: str | None = None) -> None:
+        seen = namespace.__dict__.setdefault("_spellings", {})
+        shown = shown or f"{option_string} {values}"
+        prev = seen.get(self.dest)
+        if prev is not None and prev[0] != option_string and None not in (prev[1], values) and prev[1] != values:
+            raise argparse.ArgumentError(None, f"{shown} conflicts with {prev[2]}: both set the same setting; "
+                                         "give one of them")
+        seen[self.dest] = (option_string, values, shown)
+        setattr(namespace, self.dest, values)
+
+
+class _Verbosity(_OneValue):
+    """The upstream EPP's ``--v N`` (klog verbosity) as a log level: 0-1 warning, 2-3 info, 4 and up debug."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None, shown: str | None = None) -> None:
+        if not isinstance(values, int) or values < 0:
+            raise argparse.ArgumentError(self, f"expected a verbosity of 0 or more, got {values!r}")
+        level = "warning" if values < 2 else "info" if values < 4 else "debug"
+        super().__call__(parser, namespace, level, option_string, f"{option_string} {values} (log level {level})")
+
+
+def _unset_if_empty(text: str) -> str | None:
+    return text or None  # the upstream EPP's empty --pool-namespace: not given ($NAMESPACE, then the default)
+
+
+def _pool_group(text: str) -> str:
+    if text != "inference.networking.k8s.io":
+        raise argparse.ArgumentTypeError(f"{text!r} is not supported: kvrouter reads InferencePools of "
+                                         "inference.networking.k8s.io/v1 only")
+    return text
+
+
+def _secure_serving(text: str) -> bool:
+    value = {"1": True, "t": True, "true": True, "0": False, "f": False, "false": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    if value:
+        raise argparse.ArgumentTypeError("TLS is not supported: kvrouter epp serves plaintext gRPC (h2c); give "
+                                         "--secure-serving=false and connect the gateway to the picker without TLS "
+                                         "(docs/kubernetes.md)")
+    return value
+
+
+def _cert_path(text: str) -> str:
+    raise argparse.ArgumentTypeError("not supported: kvrouter epp serves plaintext gRPC (h2c), without TLS "
+                                     "certificates (docs/kubernetes.md)")
+
+
 def _index_replay(args: argparse.Namespace) -> int:
     from router.events.replay_file import replay_file
 
@@ -53,7 +124,12 @@ def _load_router_config(args: argparse.Namespace, extra: dict) -> object:
         "kubernetes.pool": args.inference_pool,
         "kubernetes.namespace": args.namespace, **extra,
     }
-    config = load_config(args.config, overrides)
+    import os
+
+    # as the upstream EPP: no --pool-namespace (nor file or KVROUTER_ key): $NAMESPACE (the pod's, by fieldRef)
+    epp = getattr(args, "command", None) == "epp"
+    defaults = {"kubernetes.namespace": os.environ.get("NAMESPACE") or None} if epp else {}
+    config = load_config(args.config, overrides, defaults=defaults)
     if args.worker:
         config.workers = [parse_worker_arg(w) for w in args.worker]
     if not config.workers and not config.workers_file and not config.kubernetes.pool:
@@ -78,11 +154,14 @@ def _run_router(args: argparse.Namespace, command: str, extra: dict, runner: Cal
     return 0
 
 
+def _epp_overrides(args: argparse.Namespace) -> dict:
+    return {"epp.port": args.port, "epp.health_port": args.health_port, "epp.metrics_port": args.metrics_port}
+
+
 def _epp(args: argparse.Namespace) -> int:
     from router.frontends.epp import run_epp
 
-    return _run_router(args, "epp", {"epp.port": args.port, "epp.health_port": args.health_port,
-                                     "epp.metrics_port": args.metrics_port}, run_epp)
+    return _run_router(args, "epp", _epp_overrides(args), run_epp)
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
@@ -94,13 +173,14 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
 
 def _routing_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config file (docs/configuration.md)")
+    p.add_argument("--config", action=_OneValue, help="YAML config file (docs/configuration.md)")
     p.add_argument("--worker", action="append", metavar="URL[,events=E][,replay=R][,id=ID][,model=M]",
                    help="a worker (repeatable); events/replay: its KV-event PUB and replay endpoints")
     p.add_argument("--workers-file", help="YAML/JSON list of workers, watched: edits add/remove workers live")
     p.add_argument("--events-bind", help="bind one SUB socket engines connect to (topic names the worker)")
-    p.add_argument("--inference-pool", help="discover workers as this InferencePool's pods (Kubernetes API)")
-    p.add_argument("--namespace", help="namespace of the InferencePool (default: default)")
+    p.add_argument("--inference-pool", action=_OneValue,
+                   help="discover workers as this InferencePool's pods (Kubernetes API)")
+    p.add_argument("--namespace", action=_OneValue, help="namespace of the InferencePool (default: default)")
     p.add_argument("--policy", help="routing policy: precise (default), approx_prefix, least_loaded, "
                    "round_robin, session_hash, random")
     p.add_argument("--block-size", type=int, help="the engines' KV block size in tokens (default 16)")
@@ -115,7 +195,8 @@ def _routing_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="refuse prompts longer than this many tokens before "
                    "tokenizing them (default: the largest max_model_len the workers report)")
     p.add_argument("--max-body-bytes", type=int, help="largest request body accepted (default 32 MiB)")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", type=str.lower, action=_OneValue,
+                   help="debug, info, warning (default), error")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -124,6 +205,12 @@ def _serve(args: argparse.Namespace) -> int:
     return _run_router(args, "serve", {
         "listen.host": args.host, "listen.port": args.port, "admin.host": args.admin_host,
         "admin.port": args.admin_port}, run_proxy)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from router.doctor import main as doctor_main
+
+    return doctor_main(args)
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -171,6 +258,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrouter", description="Cache-aware request router for LLM fleets.")
+    parser.add_argument("--version", action="version", version=f"kvrouter {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     index = sub.add_parser("index", help="inspect the KV block index").add_subparsers(dest="sub", required=True)
@@ -204,11 +292,26 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(handler=_serve)
 
     ep = sub.add_parser("epp", help="Envoy ext_proc endpoint picker (Gateway API Inference Extension)",
-                        description="Every option overrides the same key of --config (YAML).")
+                        description="Every option overrides the same key of --config (YAML). The upstream EPP's "
+                        "flag names work too (docs/kubernetes.md); two spellings with different values are an "
+                        "error.")
     _routing_options(ep)
-    ep.add_argument("--port", type=int, help="ext_proc gRPC port (default 9002)")
-    ep.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
+    ep.add_argument("--port", "--grpc-port", type=int, action=_OneValue, help="ext_proc gRPC port (default 9002)")
+    ep.add_argument("--health-port", "--grpc-health-port", type=int, action=_OneValue,
+                    help="gRPC health port (default 9003)")
     ep.add_argument("--metrics-port", type=int, help="Prometheus metrics port (default 9090)")
+    up = ep.add_argument_group("the upstream EPP's names (gateway-api-inference-extension cmd/epp)")
+    up.add_argument("--pool-name", dest="inference_pool", action=_OneValue, help="= --inference-pool")
+    up.add_argument("--pool-namespace", dest="namespace", type=_unset_if_empty, action=_OneValue,
+                    help="= --namespace; empty or absent: the config file's or KVROUTER_ key, else "
+                    "$NAMESPACE, else default")
+    up.add_argument("--config-file", dest="config", action=_OneValue, help="= --config (kvrouter's YAML)")
+    up.add_argument("--v", dest="log_level", type=int, action=_Verbosity, default=argparse.SUPPRESS,
+                    metavar="N", help="verbosity as a log level: 0-1 warning, 2-3 info, 4+ debug")
+    up.add_argument("--pool-group", type=_pool_group, help="only inference.networking.k8s.io (the default)")
+    up.add_argument("--secure-serving", type=_secure_serving, nargs="?", const="true", metavar="BOOL",
+                    help="only false: the picker serves plaintext gRPC")
+    up.add_argument("--cert-path", type=_cert_path, help="not supported (no TLS)")
     ep.set_defaults(handler=_epp)
 
     ec = sub.add_parser("envoy-config", help="print an Envoy bootstrap that uses kvrouter epp (docs/envoy.md)")
@@ -230,6 +333,22 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--config", help="YAML config whose scheduling section (imports, plugins, profiles) to include")
     pl.add_argument("--json", action="store_true", help='JSON: {"filters", "scorers", "pickers", "profiles"}')
     pl.set_defaults(handler=_plugins)
+
+    dr = sub.add_parser("doctor", help="check each worker: /health, /v1/models, /metrics and block size, the KV-event "
+                        "and replay sockets; exit 1 if a check fails",
+                        description="Every option overrides the same key of --config (YAML).")
+    dr.add_argument("--config", help="YAML config file whose workers (and routing.block_size) to check")
+    dr.add_argument("--worker", action="append", metavar="URL[,events=E][,replay=R][,id=ID][,model=M]",
+                    help="a worker (repeatable), as for serve; replaces the config's workers")
+    dr.add_argument("--workers-file", help="YAML/JSON list of workers")
+    dr.add_argument("--events-bind", help="the router binds this SUB socket and the engines connect to it")
+    dr.add_argument("--block-size", type=int, help="the router's routing.block_size (default 16)")
+    dr.add_argument("--wait", type=float, default=3.0, help="seconds to wait for a live KV-event batch (default 3)")
+    dr.add_argument("--timeout", type=float, default=2.0, help="seconds per HTTP request, handshake and replay "
+                    "reply (default 2)")
+    dr.add_argument("--no-provoke", action="store_true", help="only listen: send no 1-token test request")
+    dr.add_argument("--json", action="store_true", help='JSON: {"ok", "block_size", "checks": [...]}')
+    dr.set_defaults(handler=_doctor)
 
     bench = sub.add_parser("bench", help="benchmarks that print a table (or --json)")
     bsub = bench.add_subparsers(dest="sub", required=True)

@@ -1,15 +1,19 @@
-"""One YAML file for the router, validated with clear errors, plus command-line overrides.
+"""One YAML file for the router, validated with clear errors, then ``KVROUTER_...`` environment variables, then
+command-line overrides (file < environment < options).
 
-Every key has a default; unknown keys and wrong types are errors naming the key. ``kvrouter serve --help``
-lists the overrides; ``docs/configuration.md`` documents the file.
+Every key has a default; unknown keys and wrong types are errors naming the key (or the variable).
+``kvrouter serve --help`` lists the overrides; ``docs/configuration.md`` documents the file and the variables.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import re
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,8 +152,115 @@ def _build(cls: Any, data: dict[str, Any], where: str) -> Any:
         raise ConfigError(f"{where}: {e}") from None
 
 
-def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RouterConfig:
-    """Read the YAML file (if any), then apply dotted-key overrides such as ``{"routing.policy": "precise"}``."""
+ENV_PREFIX = "KVROUTER_"
+# Read by the project's own tools, not config keys.
+_NOT_CONFIG = frozenset({"KVROUTER_VLLM_VENV"})
+# What Kubernetes injects for a Service named kvrouter or kvrouter-*: KVROUTER_SERVICE_HOST, KVROUTER_PORT,
+# KVROUTER_EPP_PORT_9002_TCP_ADDR, ... (never with a double underscore): ignored, not errors.
+_SERVICE_LINK = re.compile(r"^KVROUTER(_[A-Z0-9_]+)?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT"
+                           r"(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)$")
+
+
+def _unwrap(tp: Any) -> Any:
+    """``X | None`` -> ``X``."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return inner[0] if len(inner) == 1 else tp
+    return tp
+
+
+def _key_type(var: str, path: list[str]) -> Any:
+    """The declared type at a dotted path of RouterConfig; ``Any`` below a free-form mapping (scheduling,
+    tokenizers); ConfigError naming ``var`` for a key that does not exist."""
+    tp: Any = RouterConfig
+    for depth, key in enumerate(path):
+        tp = _unwrap(tp)
+        where = ".".join(path[:depth]) or "the top level"
+        if tp is SchedulingConfig or tp is Any:
+            return Any  # checked as a whole by parse_scheduling
+        if typing.get_origin(tp) is dict:
+            tp = typing.get_args(tp)[1]
+            continue
+        if not dataclasses.is_dataclass(tp):
+            raise ConfigError(f"{var}: {where} is not a mapping; it takes no key {key!r}")
+        hints = typing.get_type_hints(tp)
+        if key not in hints or key not in {f.name for f in dataclasses.fields(tp)}:
+            known = sorted(f.name for f in dataclasses.fields(tp))
+            raise ConfigError(f"{var}: {where} has no key {key!r}; known: {known}")
+        tp = hints[key]
+    return tp
+
+
+def _env_value(var: str, text: str, tp: Any) -> Any:
+    """Parse one variable's text as YAML, then check it with the file's typed checks (errors name ``var``).
+    For a key that is a string, a number or boolean YAML would read (``123``, ``yes``) stays the text."""
+    is_str = _unwrap(tp) is str
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        if is_str:
+            return text
+        raise ConfigError(f"{var}: not a valid YAML value: {e}") from None
+    if is_str and isinstance(value, bool | int | float):
+        value = text.strip()
+    if tp is not Any:
+        _check(value, tp, var)
+    return value
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, tuple[str, Any]]:
+    """``KVROUTER_ROUTING__POLICY=round_robin`` -> ``{"routing.policy": ("KVROUTER_ROUTING__POLICY", ...)}``.
+
+    The prefix and the key are case-insensitive; ``__`` separates levels; each value is YAML, checked against
+    its key's type here, so a wrong one is an error naming the variable. Unknown keys are errors too (except
+    Kubernetes service-link variables and ``KVROUTER_VLLM_VENV``, which are not config keys)."""
+    environ = os.environ if environ is None else environ
+    found: dict[str, tuple[str, Any]] = {}
+    for var in sorted(environ, key=lambda v: (v.count("__"), v)):  # whole sections first, then their keys
+        upper = var.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in _NOT_CONFIG:
+            continue
+        name = upper[len(ENV_PREFIX):]
+        path = [p.lower() for p in name.split("__")]
+        if "__" not in name and _SERVICE_LINK.match(upper) and path[0] not in _TOP_LEVEL:
+            continue
+        if not all(path):
+            raise ConfigError(f"{var}: empty key segment (use a double underscore between levels, "
+                              f"e.g. KVROUTER_ROUTING__POLICY)")
+        dotted = ".".join(path)
+        if dotted in found:
+            raise ConfigError(f"{var}: sets {dotted} like {found[dotted][0]}; give one of them")
+        found[dotted] = (var, _env_value(var, environ[var], _key_type(var, path)))
+    return found
+
+
+def _merge(node: dict[str, Any], path: list[str], value: Any) -> None:
+    """Set ``path`` in nested mappings; a mapping value merges into a mapping already there."""
+    *parents, leaf = path
+    for p in parents:
+        if not isinstance(node.get(p), dict):
+            node[p] = {}
+        node = node[p]
+    if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+        for k, v in value.items():
+            _merge(node[leaf], [str(k)], v)
+    else:
+        node[leaf] = value
+
+
+def _has(node: Any, path: list[str]) -> bool:
+    for p in path:
+        if not isinstance(node, dict) or p not in node:
+            return False
+        node = node[p]
+    return True
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None, *,
+                environ: Mapping[str, str] | None = None, defaults: dict[str, Any] | None = None) -> RouterConfig:
+    """Read the YAML file (if any), then ``KVROUTER_...`` variables of ``environ`` (default: ``os.environ``),
+    then dotted-key overrides such as ``{"routing.policy": "precise"}`` (None: not given). ``defaults`` are
+    dotted keys used only where none of those sets the key."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -159,6 +270,15 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
         data = loaded or {}
+        if data.get("kind") == "EndpointPickerConfig":
+            raise ConfigError(f"{path}: this is the upstream EPP's plugin configuration (EndpointPickerConfig); "
+                              "kvrouter reads its own YAML (docs/configuration.md)")
+    from_env = env_overrides(environ)
+    for dotted, (_, value) in from_env.items():
+        _merge(data, dotted.split("."), value)
+    for dotted, value in (defaults or {}).items():
+        if value is not None and not _has(data, dotted.split(".")):
+            _merge(data, dotted.split("."), value)
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue
@@ -167,7 +287,18 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = value
-    where = str(path or "config")
+    try:
+        return _finish(data, str(path or "config"))
+    except ConfigError as e:
+        # a check across keys names the key; say which variable set it, when one did
+        hint = [var for dotted, (var, value) in from_env.items()
+                if dotted.rsplit(".", 1)[-1] in str(e) or (isinstance(value, str) and repr(value) in str(e))]
+        if hint and not any(v in str(e) for v in hint):
+            raise ConfigError(f"{e} (set by {', '.join(hint)})") from None
+        raise
+
+
+def _finish(data: dict[str, Any], where: str) -> RouterConfig:
     scheduling = data.pop("scheduling", None)
     routing = data.get("routing")
     if scheduling is not None and (routing is None or isinstance(routing, dict)):
@@ -189,4 +320,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     return cfg
 
 
-__all__ = ["Admin", "ConfigError", "CostParams", "Listen", "RouterConfig", "load_config"]
+_TOP_LEVEL = frozenset(f.name for f in dataclasses.fields(RouterConfig))
+
+
+__all__ = ["Admin", "ConfigError", "CostParams", "Listen", "RouterConfig", "env_overrides", "load_config"]

@@ -18,6 +18,7 @@ import aiohttp
 from router.config import RouterConfig
 from router.discovery import DiscoveryError, WorkerSpec, load_workers_file
 from router.events.subscriber import EventSource, KvEventSubscriber
+from router.frontends.diagnosis import Diagnosis, ProblemLog, diagnose_fleet, engine_block_size
 from router.load import parse_engine_metrics
 from router.scheduling import Endpoint, RoutingCore
 
@@ -66,6 +67,8 @@ class Fleet:
         self.max_model_len_override = max_model_len
         self.context_lens: dict[str, int] = {}  # worker -> the largest max_model_len its /v1/models reports
         self.subscriber = KvEventSubscriber(core.feeder, bind=events_bind, clock=self.clock)
+        self.engine_block_sizes: dict[str, int] = {}  # worker -> block_size of its vllm:cache_config_info
+        self.problem_log = ProblemLog()  # each worker's problem, logged once per change (rate-limited)
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
         self._file_mtime: float | None = None
@@ -104,6 +107,7 @@ class Fleet:
     def remove(self, worker_id: str) -> None:
         self.specs.pop(worker_id, None)
         self.context_lens.pop(worker_id, None)
+        self.engine_block_sizes.pop(worker_id, None)
         self.subscriber.remove_source(worker_id)
         self.core.remove_endpoint(worker_id)
 
@@ -177,7 +181,20 @@ class Fleet:
     async def _probe_loop(self) -> None:
         while True:
             await asyncio.gather(*(self.probe(wid) for wid in list(self.specs)), return_exceptions=True)
+            self.report_problems()
             await asyncio.sleep(self.probe_interval_s)
+
+    def diagnose(self) -> dict[str, Diagnosis]:
+        """Each worker's problem and its likely cause, now (router/frontends/diagnosis.py)."""
+        return diagnose_fleet(self, self.clock())
+
+    def report_problems(self) -> None:
+        """Log a worker's problem when it starts, changes or ends: at most one line per worker per 30 s."""
+        try:
+            for level, line in self.problem_log.update(self.diagnose(), self.clock()):
+                log.log(level, line)
+        except Exception:  # a diagnosis must never stop the probes
+            log.exception("diagnosis pass failed")
 
     async def probe(self, worker_id: str) -> None:
         """GET /health and /metrics: a failure of either counts; ``unhealthy_after`` in a row removes the worker
@@ -193,7 +210,10 @@ class Fleet:
             if ok:
                 async with self._session.get(spec.url + "/metrics") as r:
                     if r.status == 200:
-                        self.core.update_metrics(worker_id, parse_engine_metrics(await r.text(), self.clock()))
+                        text = await r.text()
+                        self.core.update_metrics(worker_id, parse_engine_metrics(text, self.clock()))
+                        if (bs := engine_block_size(text)) is not None:
+                            self.engine_block_sizes[worker_id] = bs
             if ok and (worker_id not in self.context_lens or self.failures.get(worker_id)):
                 # learned once, and again after failures (a restarted engine may serve another context length;
                 # meanwhile the one it had still bounds prompts)

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from router.frontends.diagnosis import PROBLEMS
+
 if TYPE_CHECKING:
     from router.frontends.fleet import Fleet
 
@@ -35,12 +37,18 @@ class _FleetState:
         gaps = CounterMetricFamily("kvrouter_kv_event_gaps", "Sequence gaps seen.", labels=["worker", "filled"])
         malformed = CounterMetricFamily("kvrouter_kv_event_malformed", "Malformed frames or events skipped.",
                                         labels=["worker"])
+        problem = GaugeMetricFamily("kvrouter_worker_problem", "1 for the worker's current problem (the likely "
+                                    "cause: /admin/workers, the router's log).", labels=["worker", "problem"])
+        diagnoses = self.fleet.diagnose()
         stale = 0
         for wid, ep in core.endpoints.items():
             load = core.load.workers.get(wid)
             inflight.add_metric([wid], load.requests if load else 0)
             pending.add_metric([wid], load.pending_prefill_tokens if load else 0)
             st = core.index_state(wid, now)
+            found = diagnoses.get(wid)
+            for p in PROBLEMS:
+                problem.add_metric([wid, p], 1.0 if found is not None and found.problem == p else 0.0)
             stale += st != "synced"
             for s in ("synced", "unsynced", "unverified", "stale", "no-events"):
                 state.add_metric([wid, s], 1.0 if s == st else 0.0)
@@ -54,7 +62,7 @@ class _FleetState:
                 gaps.add_metric([wid, "true"], feed.gaps_filled)
                 gaps.add_metric([wid, "false"], feed.gaps - feed.gaps_filled)
                 malformed.add_metric([wid], feed.malformed)
-        yield from (inflight, pending, state, healthy, blocks, events, gaps, malformed)
+        yield from (inflight, pending, state, healthy, blocks, events, gaps, malformed, problem)
         yield GaugeMetricFamily("kvrouter_index_entries", "Resident (worker, medium, block) entries.",
                                 value=len(core.index))
         yield GaugeMetricFamily("kvrouter_workers_without_prefix_credit",

@@ -295,14 +295,17 @@ class ProxyServer:
 
     async def workers_state(self, request: web.Request) -> web.Response:
         now = time.monotonic()
+        diagnoses = self.fleet.diagnose()
         out = {}
         for wid, ep in self.core.endpoints.items():
             st = self.core.feeder.status(wid, now)
             load = self.core.load.workers.get(wid)
+            found = diagnoses.get(wid)
             out[wid] = {"url": ep.url, "address": ep.address, "healthy": ep.healthy, "draining": ep.draining,
                         "index_state": self.core.index_state(wid, now), "last_event_age_s": st.last_event_age_s,
                         "last_seq": st.last_seq, "blocks": {m.name: n for m, n in st.blocks.items()},
-                        "inflight": load.requests if load else 0}
+                        "inflight": load.requests if load else 0,
+                        "problem": found.problem if found else None, "cause": found.cause if found else None}
         return web.json_response({"workers": out})
 
     async def drain(self, request: web.Request) -> web.Response:
