@@ -156,23 +156,27 @@ def check_parse(raw: bytes, path: str, salt: SaltRule = TRUST_CLIENT, max_model_
     event("parsed")
     chat = path.split("?", 1)[0].rstrip("/").endswith("chat/completions")
     assert parsed.chat == chat
-    ids = parsed.token_ids
-    assert isinstance(ids, list) and ids, ids
-    assert all(type(t) is int and 0 <= t < VOCAB for t in ids), ids
+    prompts = parsed.prompts  # every prompt: one, or a batch's (each checked as a lone prompt is)
+    assert prompts and all(isinstance(p, list) and p for p in prompts), prompts
+    assert all(type(t) is int and 0 <= t < VOCAB for p in prompts for t in p), prompts
+    ids = parsed.token_ids  # what it is routed on: the prompt, or the batch's longest shared prefix
+    assert isinstance(ids, list) and all(p[: len(ids)] == ids for p in prompts), ids
+    assert len(prompts) == 1 or any(len(p) == len(ids) for p in prompts) or len({p[len(ids)] for p in prompts}) > 1
     assert parsed.model in KNOWN_MODELS
     assert type(parsed.stream) is bool
     assert type(parsed.max_tokens) is int and parsed.max_tokens >= 1
     assert parsed.cache_salt is None or (isinstance(parsed.cache_salt, str) and parsed.cache_salt)
     rreq = parsed.route_request("x", 16)
     assert isinstance(rreq, RouteRequest)
-    assert rreq.prompt_tokens == len(ids) and len(rreq.keys) == len(ids) // 16
+    assert rreq.prompt_tokens == sum(map(len, prompts)) and len(rreq.keys) == len(ids) // 16
     assert rreq.keys == request_keys(ids, 16, cache_salt=parsed.cache_salt)
     if max_model_len is not None:
         asked = requested_output(parsed.body, chat)
-        if asked is None:
-            assert len(ids) < max_model_len
-        else:
-            assert asked == parsed.max_tokens and len(ids) + asked <= max_model_len
+        for p in prompts:
+            if asked is None:
+                assert len(p) < max_model_len
+            else:
+                assert asked == parsed.max_tokens and len(p) + asked <= max_model_len
     return parsed
 
 
@@ -549,8 +553,8 @@ def shaped_stored(draw: st.DrawFn) -> tuple[dict[str, Any], bool]:
     event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": tokens,
              "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None, "extra_keys": extras}
     bad = (block_size <= 0 or len(tokens) != n * block_size or (bool(medium) and medium.upper() not in VALID_MEDIA)
-           or (block_size == 16 and ((extras is not None and len(extras) != n)
-                                     or any(not 0 <= t < 2**32 for t in tokens))))
+           or (block_size in (16, 8, 1) and ((extras is not None and len(extras) != n)
+                                              or any(not 0 <= t < 2**32 for t in tokens))))
     return event, bad
 
 
@@ -571,11 +575,12 @@ def test_a_malformed_block_stored_is_counted_and_a_good_one_is_indexed(case, as_
     assert (f.malformed, f.events["BlockStored"]) == ((1, 0) if bad else (0, 1))
     held = feeder.index.blocks_held("w")
     n = len(event["block_hashes"])
-    if bad or event["block_size"] != 16:
+    if bad or event["block_size"] not in (16, 8, 1):
         assert sum(held.values()) == 0
         assert f.block_size_mismatch == (0 if bad else n)
-    else:
-        assert held[VALID_MEDIA[event["medium"].upper()] if event["medium"] else Medium.GPU] == n
+    else:  # 8 and 1 tile the router's 16: re-chunked into its blocks (router/events/rechunk.py)
+        medium = VALID_MEDIA[event["medium"].upper()] if event["medium"] else Medium.GPU
+        assert held[medium] == n * event["block_size"] // 16 and f.block_size_mismatch == 0
 
 
 # ---- 4. the ext_proc message handling ----------------------------------------------------------------------

@@ -27,6 +27,7 @@ from router.events.codec import (
     MalformedFrame,
     medium_of,
 )
+from router.events.rechunk import DEFAULT_MAX_PAGES, Rechunker, can_rechunk
 from router.index import KvIndex, Medium
 from router.keys import ROOT_KEY, chain_keys, request_extras
 
@@ -73,6 +74,7 @@ class WorkerFeed:
     duplicates: int = 0  # live batches already applied from the connect-time replay
     suspect_since: float | None = None  # the worker failed to answer: no credit until a batch proves its state
     bootstrap_ts: dict[int, float] = field(default_factory=dict)  # seq -> batch time, of the connect-time replay
+    rechunk: Rechunker | None = None  # pages smaller than the router's block (SGLang: 1 token), re-chunked
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +87,16 @@ class WorkerStatus:
 
 
 class IndexFeeder:
-    def __init__(self, index: KvIndex, block_size: int | None = None, resync_after_s: float = 2.0) -> None:
+    def __init__(self, index: KvIndex, block_size: int | None = None, resync_after_s: float = 2.0,
+                 rechunk: bool = True, rechunk_max_pages: int = DEFAULT_MAX_PAGES) -> None:
         self.index = index
         self.block_size = block_size  # None: accept the engine's block size as is
         self.resync_after_s = resync_after_s
+        # Engine pages that tile the router's block (SGLang's default page size 1) are re-chunked into it
+        # (router/events/rechunk.py), at most ``rechunk_max_pages`` pages held per worker; otherwise a
+        # block size other than ours is counted in ``block_size_mismatch`` and dropped.
+        self.rechunk = rechunk
+        self.rechunk_max_pages = rechunk_max_pages
         self.feeds: dict[str, WorkerFeed] = {}
         self._work = 0  # blocks (and events) applied since the last step ended
 
@@ -152,7 +160,7 @@ class IndexFeeder:
             if gap.first_missing == 0:
                 f.synced = True  # replayed from the engine's first batch, or from a reset: exact either way
         else:  # a partial range is no better than nothing: whatever it did, the clear below undoes
-            self.index.clear_worker(gap.worker_id)
+            self._clear(f)
             self._mark_unsynced(f, now)
         yield from self._apply(f, gap.next_seq, held, now)
         return filled
@@ -178,9 +186,15 @@ class IndexFeeder:
         return True
 
     def _reset(self, f: WorkerFeed) -> None:
-        self.index.clear_worker(f.worker_id)
+        self._clear(f)
         f.resets += 1
         f.last_seq = None
+
+    def _clear(self, f: WorkerFeed) -> None:
+        """Forget a worker's blocks, and the pages being re-chunked with them (their index entries go too)."""
+        self.index.clear_worker(f.worker_id)
+        if f.rechunk is not None:
+            f.rechunk.clear()
 
     def _mark_unsynced(self, f: WorkerFeed, now: float) -> None:
         f.synced = False
@@ -215,11 +229,13 @@ class IndexFeeder:
                     if isinstance(piece, BlockStored):
                         self._stored(f, piece)
                     elif isinstance(piece, BlockRemoved):
-                        f.unknown_removals += self.index.remove(
-                            f.worker_id, piece.block_hashes, medium_of(piece.medium)
-                        )
+                        medium = medium_of(piece.medium)
+                        hashes = piece.block_hashes
+                        if f.rechunk is not None:  # pages first: what they do not hold may be plain blocks
+                            hashes = f.rechunk.remove(hashes, medium)
+                        f.unknown_removals += self.index.remove(f.worker_id, hashes, medium)
                     elif isinstance(piece, AllBlocksCleared):
-                        self.index.clear_worker(f.worker_id)
+                        self._clear(f)
                         f.synced = True
                     self._work += len(getattr(piece, "block_hashes", ())) + 1
                     if self._work >= SLICE_BLOCKS:  # counted across batches: a long replay yields too
@@ -238,6 +254,11 @@ class IndexFeeder:
             raise MalformedFrame("token_ids do not fill block_hashes x block_size")
         medium = medium_of(ev.medium)
         if self.block_size is not None and ev.block_size != self.block_size:
+            if self.rechunk and can_rechunk(ev.block_size, self.block_size):
+                if f.rechunk is None:
+                    f.rechunk = Rechunker(self.index, f.worker_id, self.block_size, self.rechunk_max_pages)
+                f.orphan_blocks += f.rechunk.store(ev, medium)
+                return
             f.block_size_mismatch += n
             return
         if ev.parent_block_hash is None:
