@@ -35,7 +35,7 @@ BLOCKED = [
     ("GET", "/metrics", None),
     ("GET", "/health", None),
     ("GET", "/version", None),
-    ("POST", "/tokenize", {"prompt": "hello"}),
+    ("POST", "/tokenize/../fault", FAULT),  # /tokenize itself is served: by the picker, from its own tokenizer
     ("POST", "/v1/../fault", FAULT),
     ("POST", "/v1/completions/../../fault", FAULT),
     ("POST", "/v1/completions/../../reset_prefix_cache", None),

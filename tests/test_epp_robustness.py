@@ -294,12 +294,12 @@ class GatedTokenizer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
 
-    def prompt_ids(self, body: dict[str, Any], chat: bool, token_budget: int | None = None) -> list[int]:
+    def request_prompts(self, body: dict[str, Any], kind: str, token_budget: int | None = None) -> list[list[int]]:
         prompt = body.get("prompt")
         if isinstance(prompt, str) and len(prompt) > 1_000_000:
             self.entered.set()
             self.release.wait(8)  # bounded: an event-loop-blocking picker must not hang the test forever
-        return self.real.prompt_ids(body, chat, token_budget)
+        return self.real.request_prompts(body, kind, token_budget)
 
 
 async def test_a_big_prompt_is_parsed_off_the_event_loop(tmp_path):
@@ -339,7 +339,8 @@ async def test_the_picker_itself_refuses_worker_control_paths(tmp_path):
         assert st == 200, out
         cached = len(ws[0].worker.engine.pool.cached)
         assert cached > 0
-        for path, body in [("/reset_prefix_cache", {}), ("/fault", {"health": 503}), ("/tokenize", {"prompt": "x"})]:
+        for path, body in [("/reset_prefix_cache", {}), ("/fault", {"health": 503}),
+                           ("/collective_rpc", {"method": "x"})]:
             st, out = await post(s, url + path, body)
             assert st == 404, (path, out)
             assert path in out["message"]

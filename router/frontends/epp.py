@@ -12,6 +12,13 @@ Bad input is answered here, as the proxy answers it: a body over ``max_body_byte
 all read, a malformed one a 400 with the reason; parsing runs off the event loop; with a trusted tenant
 header configured the client's ``cache_salt`` is never used; the in-flight accounting is keyed by an id the
 picker makes (the client's ``x-request-id`` reaches the worker untouched, it is not trusted here).
+
+Paths (router/frontends/api_paths.py): completions, chat, embeddings and the Responses API are parsed by the
+proxy's parser and routed on their prefix. Envoy sends one request to one endpoint, so a batch (a completions
+``prompt`` or an embeddings ``input`` holding several prompts, streamed or not) is routed as one, on its
+prompts' longest shared prefix, with the work of all of them. ``/tokenize`` and ``/detokenize`` are answered
+here, from the picker's own tokenizer, as an ImmediateResponse 200 with vLLM's JSON (or the 4xx a bad body
+gets): no worker is contacted.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.config import RouterConfig
-from router.frontends.api_paths import GENERATE_PATHS, is_api_path
+from router.frontends.api_paths import GENERATE_PATHS, TOKENIZER_PATHS, api_path, is_api_path
 from router.frontends.fleet import Fleet, fleet_from_config
 from router.frontends.metrics import RouterMetrics
 from router.frontends.openai import BadRequest, RequestParser, salt_rule
@@ -83,15 +90,20 @@ def _lb_metadata(addresses: list[str]) -> struct_pb2.Struct:
 
 
 def _immediate(status: int, message: str, retry_after: int | None = None) -> pb.ProcessingResponse:
+    body = json.dumps({"object": "error", "message": message, "code": status}).encode()
+    return _immediate_json(status, body, message[:200], retry_after)
+
+
+def _immediate_json(status: int, body: bytes, details: str, retry_after: int | None = None) -> pb.ProcessingResponse:
+    """The picker answers the client itself, with a JSON body."""
     headers = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type",
                                                                       raw_value=b"application/json"))]
     if retry_after is not None:
         headers.append(base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(
             key="retry-after", raw_value=str(retry_after).encode())))
-    body = json.dumps({"object": "error", "message": message, "code": status}).encode()
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=status), headers=pb.HeaderMutation(set_headers=headers),
-        body=body, details=message[:200]))
+        body=body, details=details))
 
 
 def _headers_of(msg: pb.HttpHeaders) -> dict[str, str]:
@@ -200,6 +212,10 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         return frozenset(x.strip() for x in value.string_value.split(",") if x.strip())
 
     def _route_bodyless(self, st: _Stream) -> pb.ProcessingResponse:
+        if api_path(st.headers.get(":path", "")) in TOKENIZER_PATHS:  # answered here, never by a worker
+            st.refused = True
+            self.metrics.requests.labels("400").inc()
+            return _immediate(400, "request body must be a JSON object")
         rreq = RouteRequest(uuid.uuid4().hex, [], 0, self.block_size, 1, subset=st.subset)
         decision = self.core.decide(rreq, time.monotonic())
         if decision.outcome != "routed":
@@ -217,7 +233,16 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             st.refused = True
             self.metrics.requests.labels("404").inc()
             return [_immediate(404, f"no such path: {path[:200]!r}")]
-        if path.rstrip("/") not in GENERATE_PATHS:
+        if api_path(path) in TOKENIZER_PATHS:  # the picker's own tokenizer answers: no worker is contacted
+            st.refused = True
+            try:
+                answer = await self.parser.tokenizer_path(body, path, self.fleet.max_model_len())
+            except BadRequest as e:
+                self.metrics.requests.labels(str(e.status)).inc()
+                return [_immediate(e.status, str(e))]
+            self.metrics.requests.labels("200").inc()
+            return [_immediate_json(200, json.dumps(answer).encode(), api_path(path)[1:])]
+        if api_path(path) not in GENERATE_PATHS:
             rreq = RouteRequest(uuid.uuid4().hex, [], 0, self.block_size, 1, subset=st.subset)
         else:
             try:
@@ -230,7 +255,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             body = parsed.raw
             lora = parsed.model if parsed.model and self._is_lora(parsed.model) else None
             rreq = await self.parser.route_request(parsed, uuid.uuid4().hex, self.block_size, lora=lora,
-                                        session=st.headers.get(self.session_header), subset=st.subset)
+                                                   session=st.headers.get(self.session_header), subset=st.subset)
             st.streamed = parsed.stream
         decision = self.core.decide(rreq, time.monotonic())
         self.metrics.decision_seconds.observe(time.monotonic() - st.started)

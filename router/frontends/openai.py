@@ -7,6 +7,18 @@ Bad input raises ``BadRequest`` with a message meant for the client: no client i
 Parsing is bounded before it is paid for (prompts that cannot fit the largest served context are refused
 from their length alone) and runs off the event loop (``RequestParser``): one huge prompt must not stall
 the health checks and every other request of the router.
+
+Endpoints (``PATH_KINDS``): completions, chat, embeddings and the Responses API (``instructions`` + ``input``
+rendered through the chat template, so a long shared ``instructions`` is a cached prefix like a chat system
+prompt). Batches: a completions ``prompt`` or an embeddings ``input`` may hold up to ``MAX_BATCH`` (256)
+prompts, every one of them checked as a lone prompt is (length bound before tokenizing, ids inside the
+vocabulary, the context limit), a refused one named by its index. A batch parses to one ``ParsedRequest``
+holding every prompt's ids, routed as one on the prompts' longest shared prefix (``token_ids``) with the
+work of all of them; the proxy ``split``s a non-streamed completions batch instead, one routed request per
+prompt, and merges the answers (``merge_completions``): see router/frontends/proxy.py.
+
+``/tokenize`` and ``/detokenize`` (``tokenize_body``, ``detokenize_body``) are answered from the router's own
+tokenizer, in vLLM's shapes, bounded and checked the same way.
 """
 
 from __future__ import annotations
@@ -14,12 +26,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from router.frontends.api_paths import api_path
 from router.keys import request_keys
 from router.scheduling import RouteRequest
 from router.tokenizer import PromptError, PromptTokenizer, context_error
@@ -28,6 +41,15 @@ ERROR_KINDS = {404: "NotFoundError", 413: "RequestEntityTooLarge", 429: "TooMany
 TENANT_MISSING_MODES = ("reject", "no_salt")
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
+# what a request body is, by its endpoint (router/tokenizer.py KINDS)
+PATH_KINDS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/embeddings": "embeddings",
+              "/v1/responses": "responses"}
+
+
+def request_kind(path: str) -> str:
+    """The kind of body ``path`` takes (any other path: chat if it ends so, else completions)."""
+    p = api_path(path)
+    return PATH_KINDS.get(p) or ("chat" if p.endswith("chat/completions") else "completions")
 
 
 def error_response(status: int, message: str, kind: str = "BadRequestError",
@@ -80,13 +102,85 @@ class ParsedRequest:
     stream: bool
     max_tokens: int
     cache_salt: str | None
-    token_ids: list[int]
+    token_ids: list[int]  # what it is routed on: its prompt, or a batch's longest shared prefix
+    kind: str = "completions"  # completions | chat | embeddings | responses
+    prompts: list[list[int]] = field(default_factory=list)  # every prompt's ids: one, or a batch's in order
+    n: int = 1  # choices per prompt
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts)) if self.prompts else len(self.token_ids)
+
+    @property
+    def batch(self) -> bool:
+        return len(self.prompts) > 1
 
     def route_request(self, request_id: str, block_size: int, lora: str | None = None,
                       session: str | None = None, subset: frozenset[str] | None = None) -> RouteRequest:
+        """Keyed on ``token_ids``; the work is every prompt's (a batch sent as one costs all of it)."""
         keys = request_keys(self.token_ids, block_size, lora_name=lora, cache_salt=self.cache_salt)
-        return RouteRequest(request_id, keys, len(self.token_ids), block_size, self.max_tokens, self.model, lora,
+        outputs = self.max_tokens * self.n * max(1, len(self.prompts))
+        return RouteRequest(request_id, keys, self.prompt_tokens, block_size, outputs, self.model, lora,
                             session, subset)
+
+    def split(self) -> list[ParsedRequest]:
+        """A completions batch as one request per prompt: the body as parsed (salt rule applied) with that
+        prompt alone, re-encoded."""
+        members = self.body["prompt"]
+        out = []
+        for member, ids in zip(members, self.prompts, strict=True):
+            body = {**self.body, "prompt": member}
+            out.append(ParsedRequest(body, _json_encode(body), self.chat, self.model, self.stream, self.max_tokens,
+                                     self.cache_salt, ids, self.kind, [ids], self.n))
+        return out
+
+
+def shared_prefix(prompts: list[list[int]]) -> list[int]:
+    """The longest prefix every prompt starts with (slice comparisons, a binary search per prompt)."""
+    first = prompts[0]
+    n = len(first)
+    for p in prompts[1:]:
+        hi = min(n, len(p))
+        if p[:hi] == first[:hi]:
+            n = hi
+            continue
+        lo, hi = 0, hi - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if p[:mid] == first[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        n = lo
+    return first[:n]
+
+
+def merge_completions(answers: list[dict[str, Any]], n: int = 1) -> dict[str, Any]:
+    """One completions answer from a batch's per-prompt answers, as vLLM answers a batch: every prompt's
+    choices in prompt order, re-indexed ``prompt_index * n + choice index``; usage summed, cached tokens
+    included; the rest (id, created, model) from the first answer."""
+    choices: list[dict[str, Any]] = []
+    totals = {"prompt_tokens": 0, "total_tokens": 0, "completion_tokens": 0}
+    cached: int | None = None
+    for i, answer in enumerate(answers):
+        for c in answer.get("choices") or []:
+            if isinstance(c, dict):
+                j = c.get("index")
+                choices.append({**c, "index": i * n + (j if type(j) is int and j >= 0 else 0)})
+        usage = answer.get("usage")
+        if not isinstance(usage, dict):
+            continue
+        for k in totals:
+            if type(usage.get(k)) is int:
+                totals[k] += usage[k]
+        details = usage.get("prompt_tokens_details")
+        hit = details.get("cached_tokens") if isinstance(details, dict) else None
+        if type(hit) is int and hit >= 0:
+            cached = (cached or 0) + hit
+    choices.sort(key=lambda c: c["index"])
+    usage_out: dict[str, Any] = {**totals, "prompt_tokens_details": None if cached is None else
+                                 {"cached_tokens": cached}}
+    return {**answers[0], "choices": choices, "usage": usage_out}
 
 
 def _positive_int(body: dict[str, Any], name: str) -> int | None:
@@ -98,10 +192,7 @@ def _positive_int(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def parse_body(raw: bytes, path: str, tokenizer_for: Callable[[str | None], PromptTokenizer],
-               salt: SaltRule = SaltRule(), max_model_len: int | None = None) -> ParsedRequest:
-    """``path`` tells chat from completions; ``salt`` says whose ``cache_salt`` counts; ``max_model_len``
-    (the largest context a worker serves) bounds the prompt before it is tokenized."""
+def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = _json_decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -110,18 +201,45 @@ def parse_body(raw: bytes, path: str, tokenizer_for: Callable[[str | None], Prom
         raise BadRequest("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    chat = path.split("?", 1)[0].rstrip("/").endswith("chat/completions")
+    return body
+
+
+def _model_tokenizer(body: dict[str, Any], tokenizer_for: Callable[[str | None], PromptTokenizer]
+                     ) -> tuple[str | None, PromptTokenizer]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be true or false")
-    asked = _positive_int(body, "max_completion_tokens") if chat else None
-    if asked is None:
+    try:
+        return model, tokenizer_for(model)
+    except KeyError:
+        raise BadRequest(f"The model `{model}` does not exist.", 404) from None
+
+
+def parse_body(raw: bytes, path: str, tokenizer_for: Callable[[str | None], PromptTokenizer],
+               salt: SaltRule = SaltRule(), max_model_len: int | None = None) -> ParsedRequest:
+    """``path`` names the endpoint (``request_kind``); ``salt`` says whose ``cache_salt`` counts;
+    ``max_model_len`` (the largest context a worker serves) bounds every prompt before it is tokenized."""
+    body = _json_object(raw)
+    kind = request_kind(path)
+    chat = kind == "chat"
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string")
+    stream = False
+    if kind != "embeddings":  # an embedding is never streamed (vLLM ignores the field there)
+        stream = body.get("stream", False)
+        if stream is None:
+            stream = False
+        if not isinstance(stream, bool):
+            raise BadRequest("'stream' must be true or false")
+    asked = None
+    if chat:
+        asked = _positive_int(body, "max_completion_tokens")
+    elif kind == "responses":
+        asked = _positive_int(body, "max_output_tokens")
+    if asked is None and kind in ("completions", "chat"):
         asked = _positive_int(body, "max_tokens")
+    n = _positive_int(body, "n") if kind in ("completions", "chat") else None
     if salt.trust_client:
         cache_salt = body.get("cache_salt")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -133,20 +251,71 @@ def parse_body(raw: bytes, path: str, tokenizer_for: Callable[[str | None], Prom
         body.pop("cache_salt", None)
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
+    _, tokenizer = _model_tokenizer(body, tokenizer_for)
     try:
-        tokenizer = tokenizer_for(model)
-    except KeyError:
-        raise BadRequest(f"The model `{model}` does not exist.", 404) from None
-    try:
-        ids = tokenizer.prompt_ids(body, chat, max_model_len)
+        prompts = tokenizer.request_prompts(body, kind, max_model_len)
     except PromptError as e:
         raise BadRequest(str(e)) from None
     if max_model_len is not None:
-        refusal = context_error(len(ids), asked, max_model_len)
-        if refusal:
-            raise BadRequest(refusal)
-    return ParsedRequest(body, raw if salt.trust_client else _json_encode(body), chat, model, stream,
-                         asked if asked is not None else 16, cache_salt, ids)
+        name = "input" if kind == "embeddings" else "prompt"
+        for i, ids in enumerate(prompts):
+            refusal = context_error(len(ids), asked, max_model_len, embedding=kind == "embeddings")
+            if refusal:
+                raise BadRequest(f"{name}[{i}]: {refusal}" if len(prompts) > 1 else refusal)
+    token_ids = prompts[0] if len(prompts) == 1 else shared_prefix(prompts)
+    if asked is None:
+        asked = 1 if kind == "embeddings" else 16  # an embedding is one forward pass
+    return ParsedRequest(body, raw if salt.trust_client else _json_encode(body), chat, model, stream, asked,
+                         cache_salt, token_ids, kind, prompts, n or 1)
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be true or false")
+    return value
+
+
+def tokenize_body(raw: bytes, tokenizer_for: Callable[[str | None], PromptTokenizer],
+                  max_model_len: int | None = None) -> dict[str, Any]:
+    """vLLM's ``POST /tokenize`` from the router's own tokenizer: ``{"prompt": str}`` or ``{"messages": [...]}``
+    (``add_generation_prompt``), ``add_special_tokens`` (vLLM's defaults: on for a prompt, off for messages),
+    ``return_token_strs``; a text that cannot fit ``max_model_len`` is refused before it is tokenized."""
+    body = _json_object(raw)
+    _, tokenizer = _model_tokenizer(body, tokenizer_for)
+    chat = "messages" in body
+    special = _flag(body, "add_special_tokens", not chat)
+    strs = _flag(body, "return_token_strs", False)
+    try:
+        if chat:
+            text = tokenizer.render_chat(body["messages"], _flag(body, "add_generation_prompt", True), max_model_len)
+        else:
+            text = body.get("prompt")
+            if not isinstance(text, str):
+                raise PromptError("'prompt' (a string) or 'messages' is required")
+        ids = tokenizer.encode(text, max_model_len, add_special_tokens=special)
+    except PromptError as e:
+        raise BadRequest(str(e)) from None
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+            "token_strs": tokenizer.token_strs(ids) if strs else None}
+
+
+def detokenize_body(raw: bytes, tokenizer_for: Callable[[str | None], PromptTokenizer],
+                    max_model_len: int | None = None) -> dict[str, Any]:
+    """vLLM's ``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}`` (special tokens kept, as vLLM
+    decodes); the ids are checked as a prompt's are (integers inside the vocabulary, at most ``max_model_len``)."""
+    body = _json_object(raw)
+    _, tokenizer = _model_tokenizer(body, tokenizer_for)
+    tokens = body.get("tokens")
+    if tokens == []:
+        return {"prompt": ""}
+    try:
+        ids = tokenizer.check_ids(tokens, max_model_len)
+    except PromptError as e:
+        raise BadRequest(f"'tokens': {e}") from None
+    return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
 
 
 class RequestParser:
@@ -167,14 +336,21 @@ class RequestParser:
 
     async def parse(self, raw: bytes, path: str, salt: SaltRule = SaltRule(),
                     max_model_len: int | None = None) -> ParsedRequest:
+        return await self._run(raw, lambda: parse_body(raw, path, self.tokenizer_for, salt, max_model_len))
+
+    async def tokenizer_path(self, raw: bytes, path: str, max_model_len: int | None = None) -> dict[str, Any]:
+        """The answer to ``/tokenize`` or ``/detokenize`` (``path``), from the router's own tokenizer."""
+        fn = detokenize_body if api_path(path) == "/detokenize" else tokenize_body
+        return await self._run(raw, lambda: fn(raw, self.tokenizer_for, max_model_len))
+
+    async def _run(self, raw: bytes, work: Callable[[], Any]) -> Any:
         if len(raw) <= self.inline_bytes:
-            return parse_body(raw, path, self.tokenizer_for, salt, max_model_len)
+            return work()
         if self.pending >= self.max_pending:
             raise BadRequest(f"{self.pending} large requests are being parsed; retry later", 429)
         self.pending += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._pool, parse_body, raw, path, self.tokenizer_for, salt, max_model_len)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, work)
         finally:
             self.pending -= 1
 

@@ -7,7 +7,17 @@ client is retried on the next-best worker; nothing is retried once the client ha
 fails after that ends the client's response as an error (an SSE error event, then the connection cut),
 never as a clean end. Where a request goes is decided here alone: client headers naming a destination are
 ignored and never forwarded, and the router keys its accounting by an id of its own (the client's
-``x-request-id`` is passed along, never trusted). Only the OpenAI API paths are served.
+``x-request-id`` is passed along, never trusted). Only the OpenAI API paths are served
+(router/frontends/api_paths.py): completions, chat, embeddings, the Responses API (streamed or not), models,
+and ``/tokenize`` / ``/detokenize``, which the router answers from its own tokenizer without a worker.
+
+Batches: a non-streamed completions batch (``prompt`` a list of strings or of token-id lists) is served as
+one request per prompt: each is decided, dispatched and forwarded (with its own retries) on its own, so each
+prompt's prefix picks its worker, and the answers are merged in order into one response (choices re-indexed
+``prompt_index * n + choice index`` as vLLM does, usage and cached tokens summed; ``x-kvrouter-worker`` lists
+each prompt's worker). If any prompt cannot be served, the client gets that prompt's error (named
+``prompt[i]``), as vLLM fails a whole batch. A streamed batch, and every embeddings batch, is sent as one
+request to one worker, routed on the prompts' longest shared prefix, and passed through unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -26,9 +37,10 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from router.config import RouterConfig
+from router.frontends.api_paths import GENERATE_PATHS, TOKENIZER_PATHS
 from router.frontends.fleet import fleet_from_config
 from router.frontends.metrics import RouterMetrics
-from router.frontends.openai import BadRequest, ParsedRequest, RequestParser, salt_rule
+from router.frontends.openai import BadRequest, ParsedRequest, RequestParser, SaltRule, merge_completions, salt_rule
 from router.frontends.openai import error_response as error
 from router.scheduling import Decision, Dispatch, RouteRequest, RoutingCore
 from router.tokenizer import PromptTokenizer, load_tokenizer
@@ -40,6 +52,8 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
               "transfer-encoding", "upgrade", "host", "content-length"}
 USAGE_TAIL_BYTES = 8192
 MAX_JSON_TAIL_BYTES = 4 * 1024 * 1024  # a non-streamed answer longer than this is relayed, not parsed for usage
+MAX_MERGED_BYTES = 64 * 1024 * 1024  # one prompt's answer in a batch is read whole (to merge): at most this
+RESPONSES_FIRST_TOKEN = b"response.output_text.delta"  # a Responses stream opens with events before any token
 
 
 def cached_tokens_from(tail: bytes, streamed: bool) -> int | None:
@@ -57,10 +71,24 @@ def cached_tokens_from(tail: bytes, streamed: bool) -> int | None:
 
 
 def _cached_tokens(answer: Any) -> int | None:
+    if isinstance(answer, dict) and answer.get("type") == "response.completed":  # a Responses stream's last event
+        answer = answer.get("response")
     usage = answer.get("usage") if isinstance(answer, dict) else None
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    details = None
+    if isinstance(usage, dict):  # the Responses API says input_tokens_details
+        details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
     n = details.get("cached_tokens") if isinstance(details, dict) else None
     return n if type(n) is int and n >= 0 else None
+
+
+@dataclass(slots=True)
+class _Answer:
+    """One prompt's answer in a batch."""
+
+    status: int
+    worker: str
+    body: dict[str, Any] | None = None  # the worker's JSON answer: a completion (200), else its error, if JSON
+    message: str = ""  # why, where there is no usable body
 
 
 class ProxyServer:
@@ -89,8 +117,8 @@ class ProxyServer:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
         app.add_routes([
-            web.post("/v1/completions", self.generate),
-            web.post("/v1/chat/completions", self.generate),
+            *(web.post(path, self.generate) for path in GENERATE_PATHS),
+            *(web.post(path, self.tokenize) for path in TOKENIZER_PATHS),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
             web.get("/metrics", self.prometheus),
@@ -127,34 +155,61 @@ class ProxyServer:
         except BadRequest as e:
             self.metrics.requests.labels(str(e.status)).inc()
             return error(e.status, str(e), e.kind)
+        if parsed.batch and parsed.kind == "completions" and not parsed.stream:
+            return await self._generate_batch(request, parsed, salt, started)
         rid = uuid.uuid4().hex  # ours: a client's x-request-id is forwarded, never used as a key
         lora = parsed.model if parsed.model and self._is_lora(parsed.model) else None
         rreq = await self.parser.route_request(parsed, rid, self.config.routing.block_size, lora=lora,
-                                    session=request.headers.get(self.config.session_header))
+                                               session=request.headers.get(self.config.session_header))
+        decision = self._decide(rreq, request, started)
+        if decision.outcome != "routed":
+            return self._refusal(decision)
+        return await self._forward(request, rreq, parsed, decision, parsed.raw, self._upstream_headers(request, salt),
+                                   started)
+
+    def _decide(self, rreq: RouteRequest, request: web.Request, started: float,
+                batch_index: int | None = None) -> Decision:
         decision = self.core.decide(rreq, time.monotonic())
         self.metrics.decision_seconds.observe(time.monotonic() - started)
         credited = any(c.prefix_credit for c in decision.candidates if not c.filtered)
         self.metrics.decisions.labels(decision.policy, decision.outcome, str(credited).lower()).inc()
-        self._log_decision(rid, request.headers.get("x-request-id"), rreq.prompt_tokens, decision)
+        self._log_decision(rreq.request_id, request.headers.get("x-request-id"), rreq.prompt_tokens, decision,
+                           batch_index)
+        return decision
+
+    def _refusal(self, decision: Decision, prefix: str = "") -> web.Response:
         if decision.outcome == "shed":
             self.metrics.requests.labels("429").inc()
-            return error(429, "all workers are saturated; retry later", "TooManyRequests",
+            return error(429, prefix + "all workers are saturated; retry later", "TooManyRequests",
                          {"Retry-After": str(max(1, round(decision.retry_after_s)))})
-        if decision.outcome != "routed":
-            self.metrics.requests.labels("503").inc()
-            return error(503, decision.reason, "ServiceUnavailableError")
+        self.metrics.requests.labels("503").inc()
+        return error(503, prefix + decision.reason, "ServiceUnavailableError")
+
+    def _upstream_headers(self, request: web.Request, salt: SaltRule) -> dict[str, str]:
         drop = HOP_BY_HOP | DESTINATION_HEADERS | ({self.config.tenant_header.lower()} if salt.salt else set())
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
-        return await self._forward(request, rreq, parsed, decision, parsed.raw, headers, started)
+        return {k: v for k, v in request.headers.items() if k.lower() not in drop}
 
     async def _forward(self, request: web.Request, rreq: RouteRequest, parsed: ParsedRequest, decision: Decision,
                        body: bytes, headers: dict[str, str], started: float) -> web.StreamResponse:
-        """Send to the best worker; on a connection error or a 5xx before any byte, the next-best (the
-        dispatch moves with it, and what the abandoned choice recorded is taken back)."""
+        """Send to the best worker (``_connect``) and relay its answer."""
+        handle, upstream, last_error = await self._connect(request.path, rreq, decision, body, headers)
+        if upstream is None:
+            if handle is not None:
+                handle.fail(time.monotonic())
+            self.metrics.requests.labels("502").inc()
+            return error(502, f"no worker could serve the request: {last_error}", "BadGatewayError")
+        assert handle is not None
+        return await self._relay(request, handle, parsed, upstream, started)
+
+    async def _connect(self, path: str, rreq: RouteRequest, decision: Decision, body: bytes, headers: dict[str, str],
+                       handle: Dispatch | None = None
+                       ) -> tuple[Dispatch | None, aiohttp.ClientResponse | None, str]:
+        """The best worker's response, its headers read; on a connection error or a 5xx before any byte, the
+        next-best (the dispatch moves with it, and what the abandoned choice recorded is taken back). No
+        response (None) and the last error when no worker answered; the handle is the caller's to end."""
         assert self._session is not None
         last_error = "no worker answered"
         attempts = decision.ranked[: self.config.max_attempts]
-        handle: Dispatch | None = None
         for attempt, wid in enumerate(attempts):
             ep = self.core.endpoints.get(wid)
             if ep is None:
@@ -164,21 +219,138 @@ class ProxyServer:
             else:
                 handle.reassign(wid, time.monotonic())
             try:
-                upstream = await self._session.post(ep.url + request.path, data=body, headers=headers)
+                upstream = await self._session.post(ep.url + path, data=body, headers=headers)
             except (aiohttp.ClientConnectionError, TimeoutError) as e:
                 last_error = f"worker {wid} unreachable: {e!r}"
                 self._failed(wid, attempt, len(attempts))
                 continue
+            except asyncio.CancelledError:  # the client went away while the worker had it
+                handle.complete(time.monotonic())
+                raise
             if upstream.status >= 500 and attempt + 1 < len(attempts):
                 last_error = f"worker {wid} answered {upstream.status}"
                 upstream.release()
                 self._failed(wid, attempt, len(attempts))
                 continue
-            return await self._relay(request, handle, parsed, upstream, started)
-        if handle is not None:
+            return handle, upstream, last_error
+        return handle, None, last_error
+
+    # ---- a completions batch, one routed request per prompt ------------------------------------------
+    async def _generate_batch(self, request: web.Request, parsed: ParsedRequest, salt: SaltRule,
+                              started: float) -> web.StreamResponse:
+        """Each prompt decided and dispatched in turn (so the next one's decision sees where the previous went:
+        its load, its speculative prefix), before any is sent; then all forwarded at once, each with its own
+        retries; the answers merged in prompt order. Any prompt refused at its decision refuses the batch
+        before anything is sent."""
+        subs = parsed.split()
+        lora = parsed.model if parsed.model and self._is_lora(parsed.model) else None
+        session = request.headers.get(self.config.session_header)
+        plans: list[tuple[ParsedRequest, RouteRequest, Decision, Dispatch]] = []
+        try:
+            for i, sub in enumerate(subs):
+                rreq = await self.parser.route_request(sub, uuid.uuid4().hex, self.config.routing.block_size,
+                                                       lora=lora, session=session)
+                decision = self._decide(rreq, request, started, batch_index=i)
+                if decision.outcome != "routed":
+                    now = time.monotonic()
+                    for *_, handle in plans:
+                        handle.fail(now)
+                    return self._refusal(decision, f"prompt[{i}]: ")
+                plans.append((sub, rreq, decision, self.core.dispatch(rreq, decision, decision.ranked[0],
+                                                                      time.monotonic())))
+        except BaseException:
+            now = time.monotonic()
+            for *_, handle in plans:
+                handle.fail(now)
+            raise
+        headers = {k: v for k, v in self._upstream_headers(request, salt).items() if k.lower() != "accept-encoding"}
+        headers["Accept-Encoding"] = "identity"  # each answer is read and merged here: not compressed
+        try:
+            answers = await asyncio.gather(*(self._answer(request.path, sub, rreq, decision, handle, headers)
+                                             for sub, rreq, decision, handle in plans))
+        except BaseException:  # cancelled (the client went away): a prompt whose task never ran ends here
+            now = time.monotonic()
+            for *_, handle in plans:
+                handle.complete(now)
+            raise
+        workers = {"x-kvrouter-worker": ",".join(a.worker for a in answers)}
+        for i, a in enumerate(answers):
+            if a.status != 200:  # the batch fails with its first failed prompt, as vLLM fails a whole batch
+                self.metrics.requests.labels(str(a.status)).inc()
+                if a.body is not None and isinstance(a.body.get("message"), str):
+                    return web.json_response({**a.body, "message": f"prompt[{i}]: {a.body['message']}"},
+                                             status=a.status, headers=workers)
+                kind = {502: "BadGatewayError", 503: "ServiceUnavailableError"}.get(a.status, "BadRequestError")
+                return error(a.status, f"prompt[{i}]: {a.message}", kind, workers)
+        merged = merge_completions([a.body for a in answers if a.body is not None], parsed.n)
+        self.metrics.ttft.observe(time.monotonic() - started)
+        self.metrics.requests.labels("200").inc()
+        return web.json_response(merged, headers=workers)
+
+    async def _answer(self, path: str, sub: ParsedRequest, rreq: RouteRequest, decision: Decision,
+                      handle: Dispatch, headers: dict[str, str]) -> _Answer:
+        """One prompt of a batch: forwarded with the retries of a lone request, its answer read whole."""
+        _, upstream, last_error = await self._connect(path, rreq, decision, sub.raw, headers, handle)
+        if upstream is None:
             handle.fail(time.monotonic())
-        self.metrics.requests.labels("502").inc()
-        return error(502, f"no worker could serve the request: {last_error}", "BadGatewayError")
+            return _Answer(502, handle.worker_id, message=f"no worker could serve the request: {last_error}")
+        wid = handle.worker_id
+        data = bytearray()
+        try:
+            async for chunk in upstream.content.iter_any():
+                data += chunk
+                if len(data) > MAX_MERGED_BYTES:
+                    upstream.close()
+                    handle.complete(time.monotonic())
+                    return _Answer(502, wid, message=f"worker {wid} answered over {MAX_MERGED_BYTES} bytes")
+        except asyncio.CancelledError:
+            upstream.close()
+            handle.complete(time.monotonic())
+            raise
+        except (aiohttp.ClientError, TimeoutError) as e:  # the worker died mid-answer
+            log.warning("worker %s failed mid-response for %s: %r", wid, rreq.request_id, e)
+            upstream.close()
+            self.fleet.mark_failure(wid)
+            handle.complete(time.monotonic())
+            return _Answer(502, wid, message=f"worker {wid} failed: {e!r}")
+        now = time.monotonic()
+        handle.first_token(now, learn=False)
+        handle.complete(now)
+        upstream.release()
+        try:
+            body = json.loads(data)
+        except (ValueError, RecursionError):
+            body = None
+        if not isinstance(body, dict):
+            return _Answer(502 if upstream.status == 200 else upstream.status, wid,
+                           message=f"worker {wid} answered {upstream.status} with no JSON object")
+        if upstream.status != 200:
+            return _Answer(upstream.status, wid, body)
+        if not isinstance(body.get("choices"), list):
+            return _Answer(502, wid, message=f"worker {wid} answered a completion without choices")
+        reported = _cached_tokens(body)
+        self.metrics.hit_estimated.inc(handle.expected_hit_tokens)
+        if reported is not None:
+            self.metrics.hit_reported.inc(reported)
+            handle.observed_cached(reported, now)
+        self.metrics.prompt_tokens.inc(rreq.prompt_tokens)
+        return _Answer(200, wid, body)
+
+    # ---- /tokenize, /detokenize: the router's own tokenizer, no worker -------------------------------
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self.metrics.requests.labels("413").inc()
+            return error(413, f"request body over the {self.config.max_body_bytes}-byte limit",
+                         "RequestEntityTooLarge")
+        try:
+            answer = await self.parser.tokenizer_path(raw, request.path, self.fleet.max_model_len())
+        except BadRequest as e:
+            self.metrics.requests.labels(str(e.status)).inc()
+            return error(e.status, str(e), e.kind)
+        self.metrics.requests.labels("200").inc()
+        return web.json_response(answer)
 
     def _failed(self, wid: str, attempt: int, attempts: int) -> None:
         self.fleet.mark_failure(wid)
@@ -196,15 +368,19 @@ class ProxyServer:
         tail = b""
         first = True
         streamed = parsed.stream
+        # a Responses stream opens with events sent before any token: its first token is its first delta
+        marker = RESPONSES_FIRST_TOKEN if streamed and parsed.kind == "responses" else b""
+        last = b""
         try:
             await resp.prepare(request)
             async for chunk in upstream.content.iter_any():
-                if first:
+                if first and (not marker or marker in last[-len(marker):] + chunk):
                     first = False
                     now = time.monotonic()
                     if streamed and upstream.status == 200:
                         handle.first_token(now)
                         self.metrics.ttft.observe(now - started)
+                last = chunk
                 await resp.write(chunk)
                 # the usage is in the last SSE chunks, or in the (bounded) JSON body
                 tail = (tail + chunk)[-USAGE_TAIL_BYTES:] if streamed else (tail + chunk)[:MAX_JSON_TAIL_BYTES]
@@ -255,9 +431,12 @@ class ProxyServer:
     def _is_lora(self, model: str) -> bool:
         return any(model in ep.loras for ep in self.core.endpoints.values())
 
-    def _log_decision(self, rid: str, client_rid: str | None, prompt_tokens: int, decision: Decision) -> None:
+    def _log_decision(self, rid: str, client_rid: str | None, prompt_tokens: int, decision: Decision,
+                      batch_index: int | None = None) -> None:
         entry = {"request_id": rid, "client_request_id": client_rid, "time": time.time(),
                  "prompt_tokens": prompt_tokens, **decision.as_dict()}
+        if batch_index is not None:  # one prompt of a batch, routed on its own
+            entry["batch_index"] = batch_index
         self.decisions.append(entry)
         log.info("route %s -> %s (%s; %s)", rid, decision.chosen, decision.outcome, decision.reason)
 

@@ -4,11 +4,19 @@ The engine loop runs ``EngineModel.step`` on the wall clock, sleeping each step'
 times ``time_scale`` (0: no sleeping, as fast as the CPU allows), publishes the step's KV events and
 hands produced tokens to the waiting HTTP handlers. Responses, SSE framing, usage (with
 ``prompt_tokens_details.cached_tokens``), errors and metric names follow vLLM 0.32.
+
+Served as vLLM serves them: completions batches (``prompt`` a list of strings or token-id lists; ``n``
+samples per prompt; choice ``prompt_index * n + j``, usage and cached tokens summed, streamed interleaved),
+``/v1/embeddings`` (a fake unit vector per input of ``EMBED_DIM`` floats, deterministic in its token ids; the
+inputs are prefilled by the engine model so their blocks are cached and announced, no cached-token count,
+as vLLM), ``/v1/responses`` (``instructions`` + ``input`` through the chat template; the Responses event
+stream; usage with ``input_tokens_details.cached_tokens``), ``/tokenize`` and ``/detokenize``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -18,6 +26,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import xxhash
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import HistogramMetricFamily
@@ -32,6 +42,25 @@ log = logging.getLogger(__name__)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 MAX_BODY = 64 * 1024 * 1024
+MAX_N = 64  # choices per prompt
+EMBED_DIM = 8  # the fake embedding's dimension
+
+
+def fake_embedding(ids: list[int], fmt: str = "float") -> list[float] | str:
+    """A unit vector deterministic in the token ids (a stand-in for a pooling model's output);
+    ``fmt="base64"``: its float32 little-endian bytes, base64 encoded, as vLLM sends them."""
+    seed = xxhash.xxh3_64_intdigest(np.asarray(ids, dtype=np.uint32).tobytes())
+    v = np.random.default_rng(seed).standard_normal(EMBED_DIM)
+    v /= np.linalg.norm(v) or 1.0
+    if fmt == "base64":
+        return base64.b64encode(v.astype("<f4").tobytes()).decode()
+    return [float(x) for x in v]
+
+
+def _message_item(rid: str, text: str) -> dict[str, Any]:
+    """The Responses API's output message holding ``text``."""
+    return {"id": "msg_" + rid.removeprefix("resp_"), "type": "message", "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
 @dataclass
@@ -147,7 +176,10 @@ class SimWorker:
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
+            web.post("/v1/embeddings", self.embeddings),
+            web.post("/v1/responses", self.responses),
             web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
             web.get("/metrics", self.metrics),
             web.post("/reset_prefix_cache", self.reset_prefix_cache),
             web.post("/fault", self.fault),
@@ -186,8 +218,8 @@ class SimWorker:
         body = await self._json(request)
         if isinstance(body, web.Response):
             return body
-        try:
-            prompt = self.tokenizer.prompt_ids(body, chat)
+        try:  # completions: a prompt or a batch of them (vLLM's four shapes); chat: the messages
+            prompts = self.tokenizer.request_prompts(body, "chat" if chat else "completions")
         except PromptError as e:
             return error(400, str(e))
         max_tokens = body.get("max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens")
@@ -195,39 +227,83 @@ class SimWorker:
             max_tokens = 16
         if type(max_tokens) is not int or max_tokens < 1:
             return error(400, "max_tokens must be a positive integer")
+        n = body.get("n")
+        if n is None:
+            n = 1
+        if type(n) is not int or not 1 <= n <= MAX_N:
+            return error(400, f"n must be an integer from 1 to {MAX_N}")
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
             return error(400, "cache_salt must be a non-empty string")
         if body.get("stream") not in (None, True, False):
             return error(400, "stream must be true or false")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
-        req = EngineRequest(rid, prompt, max_tokens, cache_salt=salt, arrival=time.monotonic())
-        try:
-            self.engine.add_request(req)
-        except ValueError as e:
-            return error(400, str(e))
-        queue: asyncio.Queue[TokenOutput | None] = asyncio.Queue()
-        self._queues[req] = queue
-        self._wake.set()
+        # choice i * n + j: prompt i's j-th sample (one engine request each; the copies share the prompt's blocks)
+        submitted = self._submit(rid, [ids for ids in prompts for _ in range(n)], max_tokens, salt)
+        if isinstance(submitted, web.Response):
+            return submitted
+        reqs, queue = submitted
         stream = bool(body.get("stream"))
         opts = body.get("stream_options") or {}
         include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
         try:
             if stream:
-                return await self._stream(request, req, queue, chat, include_usage)
-            return await self._complete(req, queue, chat)
+                return await self._stream(request, rid, reqs, queue, chat, include_usage, n)
+            return await self._complete(rid, reqs, queue, chat, n)
         finally:
+            self._release(reqs)
+
+    def _submit(self, rid: str, prompts: list[list[int]], max_tokens: int, salt: str | None
+                ) -> tuple[list[EngineRequest], asyncio.Queue[TokenOutput | None]] | web.Response:
+        """One engine request per prompt, all feeding one queue (outputs name their request)."""
+        queue: asyncio.Queue[TokenOutput | None] = asyncio.Queue()
+        reqs: list[EngineRequest] = []
+        now = time.monotonic()
+        for i, ids in enumerate(prompts):
+            req = EngineRequest(rid if len(prompts) == 1 else f"{rid}-{i}", ids, max_tokens, cache_salt=salt,
+                                arrival=now)
+            try:
+                self.engine.add_request(req)
+            except ValueError as e:
+                self._release(reqs)
+                return error(400, str(e))
+            reqs.append(req)
+            self._queues[req] = queue
+        self._wake.set()
+        return reqs, queue
+
+    def _release(self, reqs: list[EngineRequest]) -> None:
+        for req in reqs:
             self._queues.pop(req, None)
             if req.finished_at is None:
                 self.engine.abort(req)  # client went away: free its blocks
 
-    def _usage(self, req: EngineRequest) -> dict[str, Any]:
-        n_out = len(req.output)
+    async def _collect(self, reqs: list[EngineRequest], queue: asyncio.Queue[TokenOutput | None],
+                       ttft: bool = True) -> dict[EngineRequest, list[int]] | None:
+        """Every request's tokens once all have finished; None if the engine stopped serving them."""
+        tokens: dict[EngineRequest, list[int]] = {r: [] for r in reqs}
+        left = len(reqs)
+        while left:
+            out = await queue.get()
+            if out is None:
+                return None
+            if out.first and ttft:
+                self._record_ttft(out.request)
+            tokens[out.request].append(out.token)
+            if out.finished:
+                left -= 1
+        return tokens
+
+    def _usage(self, reqs: list[EngineRequest], n: int = 1) -> dict[str, Any]:
+        """As vLLM sums a request's usage: each prompt counted once (its first sample), every output."""
+        firsts = reqs[::n]
+        n_in = sum(len(r.prompt) for r in firsts)
+        n_out = sum(len(r.output) for r in reqs)
         return {
-            "prompt_tokens": len(req.prompt),
-            "total_tokens": len(req.prompt) + n_out,
+            "prompt_tokens": n_in,
+            "total_tokens": n_in + n_out,
             "completion_tokens": n_out,
-            "prompt_tokens_details": {"cached_tokens": req.num_cached_tokens or 0},
+            "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens or 0 for r in firsts)},
         }
 
     def _record_ttft(self, req: EngineRequest) -> None:
@@ -239,52 +315,191 @@ class SimWorker:
                 return
         self.ttft_counts[-1] += 1
 
-    async def _complete(
-        self, req: EngineRequest, queue: asyncio.Queue[TokenOutput | None], chat: bool
-    ) -> web.Response:
-        tokens: list[int] = []
-        while True:
-            out = await queue.get()
-            if out is None:
-                return error(503, "the engine stopped serving this request", "ServiceUnavailableError")
-            if out.first:
-                self._record_ttft(req)
-            tokens.append(out.token)
-            if out.finished:
-                break
-        text = self.tokenizer.decode(tokens)
-        choice: dict[str, Any]
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
-                                              "tool_calls": []},
-                      "logprobs": None, "finish_reason": "length", "stop_reason": None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
-                      "prompt_logprobs": None}
+    async def _complete(self, rid: str, reqs: list[EngineRequest], queue: asyncio.Queue[TokenOutput | None],
+                        chat: bool, n: int) -> web.Response:
+        tokens = await self._collect(reqs, queue)
+        if tokens is None:
+            return error(503, "the engine stopped serving this request", "ServiceUnavailableError")
+        choices: list[dict[str, Any]] = []
+        for i, req in enumerate(reqs):
+            text = self.tokenizer.decode(tokens[req])
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text, "refusal": None,
+                                                        "tool_calls": []},
+                                "logprobs": None, "finish_reason": "length", "stop_reason": None})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": "length",
+                                "stop_reason": None, "prompt_logprobs": None})
         return web.json_response({
-            "id": req.request_id, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": self.model, "choices": [choice],
-            "usage": self._usage(req), "kv_transfer_params": None,
+            "id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": self.model, "choices": choices,
+            "usage": self._usage(reqs, n), "kv_transfer_params": None,
         })
 
-    async def _stream(self, request: web.Request, req: EngineRequest, queue: asyncio.Queue[TokenOutput | None],
-                      chat: bool, include_usage: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, rid: str, reqs: list[EngineRequest],
+                      queue: asyncio.Queue[TokenOutput | None], chat: bool, include_usage: bool,
+                      n: int) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
+        index = {r: i for i, r in enumerate(reqs)}
 
         def chunk(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> bytes:
-            data: dict[str, Any] = {"id": req.request_id, "object": obj, "created": created, "model": self.model,
+            data: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": self.model,
                                     "choices": [choice] if choice is not None else []}
             if usage is not None:
                 data["usage"] = usage
             return b"data: " + json.dumps(data, separators=(", ", ": ")).encode() + b"\n\n"
 
         if chat:
-            await resp.write(chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}))
+            for i in range(len(reqs)):
+                await resp.write(chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}))
+        left = len(reqs)
+        while left:
+            out = await queue.get()
+            if out is None:  # engine restarted mid-stream: cut the connection, as a dying engine would
+                resp.force_close()
+                return resp
+            if out.first:
+                self._record_ttft(out.request)
+            text = self.tokenizer.decode([out.token])
+            finish = "length" if out.finished else None
+            i = index[out.request]
+            if chat:
+                choice = {"index": i, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": i, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+            await resp.write(chunk(choice))
+            if out.finished:
+                left -= 1
+        if include_usage:
+            await resp.write(chunk(None, self._usage(reqs, n)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # ---- embeddings ----------------------------------------------------------------------------
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """vLLM's ``/v1/embeddings``: ``input`` in the four prompt shapes, a fake unit vector per input
+        (deterministic in its token ids). Each input is prefilled by the engine model, as a pooling engine
+        runs it, so its blocks are cached and announced as KV events; no cached-token count is reported,
+        as vLLM reports none for embeddings."""
+        body = await self._json(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            prompts = self.tokenizer.request_prompts(body, "embeddings")
+        except PromptError as e:
+            return error(400, str(e))
+        fmt = body.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            return error(400, "encoding_format must be 'float' or 'base64'")
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            return error(400, "cache_salt must be a non-empty string")
+        rid = "embd-" + uuid.uuid4().hex[:16]
+        submitted = self._submit(rid, prompts, 1, salt)
+        if isinstance(submitted, web.Response):
+            return submitted
+        reqs, queue = submitted
+        try:
+            if await self._collect(reqs, queue, ttft=False) is None:
+                return error(503, "the engine stopped serving this request", "ServiceUnavailableError")
+        finally:
+            self._release(reqs)
+        data = [{"index": i, "object": "embedding", "embedding": fake_embedding(ids, fmt)}
+                for i, ids in enumerate(prompts)]
+        n_in = sum(map(len, prompts))
+        return web.json_response({
+            "id": rid, "object": "list", "created": int(time.time()), "model": self.model, "data": data,
+            "usage": {"prompt_tokens": n_in, "total_tokens": n_in, "completion_tokens": 0,
+                      "prompt_tokens_details": None},
+        })
+
+    # ---- the Responses API ---------------------------------------------------------------------
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/responses``: ``instructions`` + ``input`` through the chat template (router/tokenizer.py
+        ``responses_messages``), one output message; streamed as the Responses API's typed events."""
+        body = await self._json(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            (prompt,) = self.tokenizer.request_prompts(body, "responses")
+        except PromptError as e:
+            return error(400, str(e))
+        max_tokens = body.get("max_output_tokens")
+        if max_tokens is None:
+            max_tokens = 16
+        if type(max_tokens) is not int or max_tokens < 1:
+            return error(400, "max_output_tokens must be a positive integer")
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            return error(400, "cache_salt must be a non-empty string")
+        if body.get("stream") not in (None, True, False):
+            return error(400, "stream must be true or false")
+        rid = "resp_" + uuid.uuid4().hex[:24]
+        submitted = self._submit(rid, [prompt], max_tokens, salt)
+        if isinstance(submitted, web.Response):
+            return submitted
+        reqs, queue = submitted
+        try:
+            if body.get("stream"):
+                return await self._stream_response(request, rid, body, reqs[0], queue)
+            tokens = await self._collect(reqs, queue)
+            if tokens is None:
+                return error(503, "the engine stopped serving this request", "ServiceUnavailableError")
+            text = self.tokenizer.decode(tokens[reqs[0]])
+            return web.json_response(self._response(rid, body, reqs[0], int(time.time()), text))
+        finally:
+            self._release(reqs)
+
+    def _response(self, rid: str, body: dict[str, Any], req: EngineRequest, created: int,
+                  text: str | None) -> dict[str, Any]:
+        """The Responses API's response object: in progress (``text`` None: no output, no usage) or completed."""
+        done = text is not None
+        output = [_message_item(rid, text)] if text is not None else []
+        usage = None
+        if done:
+            n_in, n_out = len(req.prompt), len(req.output)
+            usage = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": req.num_cached_tokens or 0},
+                     "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": n_in + n_out}
+        return {"id": rid, "object": "response", "created_at": created, "status": "completed" if done else
+                "in_progress", "model": self.model, "output": output, "usage": usage, "error": None,
+                "incomplete_details": None, "instructions": body.get("instructions"),
+                "max_output_tokens": body.get("max_output_tokens"), "parallel_tool_calls": True,
+                "tool_choice": "auto", "tools": [], "temperature": body.get("temperature"),
+                "top_p": body.get("top_p"), "previous_response_id": None, "text": {"format": {"type": "text"}},
+                "metadata": body.get("metadata") or {}}
+
+    async def _stream_response(self, request: web.Request, rid: str, body: dict[str, Any], req: EngineRequest,
+                               queue: asyncio.Queue[TokenOutput | None]) -> web.StreamResponse:
+        """response.created, response.in_progress, the output item and its text part opened, one
+        response.output_text.delta per token, then each closed and response.completed (with the usage)."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        created = int(time.time())
+        seq = 0
+        item_id = _message_item(rid, "")["id"]
+        where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+
+        async def send(kind: str, **fields: Any) -> None:
+            nonlocal seq
+            data = {"type": kind, "sequence_number": seq, **fields}
+            seq += 1
+            await resp.write(f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode())
+
+        await send("response.created", response=self._response(rid, body, req, created, None))
+        await send("response.in_progress", response=self._response(rid, body, req, created, None))
+        await send("response.output_item.added", output_index=0,
+                   item={**_message_item(rid, ""), "status": "in_progress", "content": []})
+        await send("response.content_part.added", **where, part={"type": "output_text", "text": "",
+                                                                 "annotations": []})
+        deltas: list[str] = []
         while True:
             out = await queue.get()
             if out is None:  # engine restarted mid-stream: cut the connection, as a dying engine would
@@ -292,18 +507,16 @@ class SimWorker:
                 return resp
             if out.first:
                 self._record_ttft(req)
-            text = self.tokenizer.decode([out.token])
-            finish = "length" if out.finished else None
-            if chat:
-                choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
-            await resp.write(chunk(choice))
+            deltas.append(self.tokenizer.decode([out.token]))
+            await send("response.output_text.delta", **where, delta=deltas[-1], logprobs=[])
             if out.finished:
                 break
-        if include_usage:
-            await resp.write(chunk(None, self._usage(req)))
-        await resp.write(b"data: [DONE]\n\n")
+        text = "".join(deltas)
+        item = _message_item(rid, text)
+        await send("response.output_text.done", **where, text=text, logprobs=[])
+        await send("response.content_part.done", **where, part=item["content"][0])
+        await send("response.output_item.done", output_index=0, item=item)
+        await send("response.completed", response=self._response(rid, body, req, created, text))
         await resp.write_eof()
         return resp
 
@@ -329,6 +542,17 @@ class SimWorker:
             return error(400, str(e))
         return web.json_response({"count": len(ids), "max_model_len": self.engine.config.max_model_len,
                                   "tokens": ids, "token_strs": None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        if isinstance(body, web.Response):
+            return body
+        tokens = body.get("tokens")
+        try:
+            ids = [] if tokens == [] else self.tokenizer.check_ids(tokens, self.engine.config.max_model_len)
+        except PromptError as e:
+            return error(400, str(e))
+        return web.json_response({"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), content_type="text/plain", charset="utf-8")
