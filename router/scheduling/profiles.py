@@ -183,7 +183,8 @@ def make_params(cls: type[Plugin], parameters: dict[str, Any], where: str) -> An
 # ---- building -----------------------------------------------------------------------------------------
 def builtin_profiles(max_inflight_requests: int | None = 512, max_inflight_tokens: int | None = None,
                      approx_capacity_blocks: int = 2_000_000) -> dict[str, list[tuple[str, dict[str, Any], float]]]:
-    """Today's six policies as profiles: (plugin type, parameters, weight) each, filters first."""
+    """Today's six policies, then the peers' algorithms, as profiles: (plugin type, parameters, weight) each,
+    filters first."""
     filters: list[tuple[str, dict[str, Any], float]] = [(f, {}, 1.0) for f in DEFAULT_FILTERS]
     filters[-1] = ("admission", {"max_inflight_requests": max_inflight_requests,
                                  "max_inflight_tokens": max_inflight_tokens}, 1.0)
@@ -195,6 +196,16 @@ def builtin_profiles(max_inflight_requests: int | None = 512, max_inflight_token
         "approx_prefix": [*filters, ("approx-prefix", {"capacity_blocks": approx_capacity_blocks}, 1.0),
                           ("min-score", {}, 1.0)],
         "precise": [*filters, ("latency-cost", {}, 1.0), ("min-score", {}, 1.0)],
+        # the peers' algorithms as their public code and docs describe them (docs/plugins.md, "Peer profiles")
+        "llmd": [*filters, ("llmd-precise-prefix", {}, 2.0), ("llmd-queue", {}, 1.0),
+                 ("llmd-kv-utilization", {}, 1.0), ("min-score", {}, 1.0)],
+        "llmd_affinity": [*filters, ("llmd-prefix-affinity", {}, 1.0), ("llmd-token-load", {}, 1.0),
+                          ("min-score", {}, 1.0)],
+        "dynamo": [*filters, ("dynamo-cost", {}, 1.0), ("softmax", {"temperature": 0.0}, 1.0)],
+        "aibrix": [*filters, ("aibrix-prefix-cache", {}, 1.0), ("min-score", {}, 1.0)],
+        "sglang": [*filters, ("approx-prefix", {"capacity_blocks": approx_capacity_blocks}, 1.0),
+                   ("min-score", {}, 1.0)],  # SGLang cache_aware's thresholds: the approx-prefix defaults
+        "preble": [*filters, ("preble-e2", {}, 1.0), ("min-score", {}, 1.0)],
     }
 
 

@@ -15,12 +15,21 @@ from router.scheduling.plugins.filters.in_subset import InSubset
 from router.scheduling.plugins.filters.not_draining import NotDraining
 from router.scheduling.plugins.filters.serves_model import ServesModel
 from router.scheduling.plugins.pickers.min_score import MinScore
+from router.scheduling.plugins.pickers.peer_softmax import Softmax
 from router.scheduling.plugins.pickers.random_pick import RandomPick
 from router.scheduling.plugins.pickers.round_robin import RoundRobin
 from router.scheduling.plugins.pickers.session_hash import SessionHash
 from router.scheduling.plugins.scorers.approx_prefix import ApproxPrefix
 from router.scheduling.plugins.scorers.latency_cost import LatencyCost
 from router.scheduling.plugins.scorers.load import Load
+from router.scheduling.plugins.scorers.peer_aibrix_prefix import AibrixPrefixCache
+from router.scheduling.plugins.scorers.peer_dynamo_cost import DynamoCost
+from router.scheduling.plugins.scorers.peer_llmd_affinity import LlmdPrefixAffinity
+from router.scheduling.plugins.scorers.peer_llmd_kv_util import LlmdKvUtilization
+from router.scheduling.plugins.scorers.peer_llmd_prefix import LlmdPrecisePrefix
+from router.scheduling.plugins.scorers.peer_llmd_queue import LlmdQueue
+from router.scheduling.plugins.scorers.peer_llmd_token_load import LlmdTokenLoad
+from router.scheduling.plugins.scorers.peer_preble_e2 import PrebleE2
 
 REGISTRY: dict[str, type[Plugin]] = {}
 
@@ -38,7 +47,10 @@ def register(cls: type[Plugin]) -> type[Plugin]:
 
 for _cls in (Healthy, NotDraining, InSubset, ServesModel, Admission,
              LatencyCost, Load, ApproxPrefix,
-             MinScore, RandomPick, RoundRobin, SessionHash):
+             MinScore, RandomPick, RoundRobin, SessionHash,
+             # the peers' algorithms (the llmd, llmd_affinity, dynamo, aibrix and preble profiles)
+             LlmdPrecisePrefix, LlmdQueue, LlmdKvUtilization, LlmdTokenLoad, LlmdPrefixAffinity,
+             DynamoCost, Softmax, AibrixPrefixCache, PrebleE2):
     register(_cls)
 
 
