@@ -8,6 +8,7 @@ import sys
 import time
 
 from router.scheduling import BUILTIN_PROFILES as POLICIES
+from sim.oracle import ORACLE
 from sim.report import Progress, plots, stable_json, table
 from sim.runner import SimConfig, Simulation, pooled, summarise
 from sim.workload import WORKLOADS, SimRequest, infinite_cache_bound, mooncake, repeat_trace
@@ -21,7 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--trace", help="Mooncake JSONL trace (e.g. ../shared/traces/mooncake_conversation_trace.jsonl)")
     src.add_argument("--workload", choices=sorted(WORKLOADS), help="a synthetic workload")
     p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated, from {sorted(POLICIES)}")
+    p.add_argument("--policies", default=DEFAULT_POLICIES,
+                   help=f"comma-separated, from {sorted([*POLICIES, ORACLE])} (oracle: the precise objective on the "
+                        "engines' true state, sim only)")
     p.add_argument("--speedup", type=float, default=1.0, help="divide trace arrival times (more load)")
     p.add_argument("--rate", type=float, default=None, help="synthetic workloads: arrivals per second")
     p.add_argument("--jitter", type=float, default=3.0, help="spread the trace's ~3 s quantised timestamps (s)")
@@ -47,9 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
+    known = [*POLICIES, ORACLE]
+    unknown = [p for p in policies if p not in known]
     if unknown:
-        print(f"kvrouter sim: unknown policies {unknown}; choose from {sorted(POLICIES)}", file=sys.stderr)
+        print(f"kvrouter sim: unknown policies {unknown}; choose from {sorted(known)}", file=sys.stderr)
         return 2
     if args.block_size is None:
         args.block_size = 512 if args.trace else 16

@@ -10,6 +10,7 @@ simulated worker serves) goes through the live router's parser into the core, as
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections.abc import Callable, Sequence
@@ -19,13 +20,14 @@ import numpy as np
 
 from router.events.codec import EventBatch
 from router.keys import chain_keys
-from router.load import parse_engine_metrics
-from router.scheduling import Endpoint, RouteRequest, RoutingConfig, RoutingCore
+from router.load import EngineMetrics, parse_engine_metrics
+from router.scheduling import Decision, Endpoint, RouteRequest, RoutingConfig, RoutingCore
+from sim.oracle import ORACLE, oracle_routing
 from sim.workload import SimRequest
 from workers.engine import EngineConfig, EngineModel, EngineRequest, StepResult
 from workers.engine.metrics import engine_metrics_text
 
-SCRAPE, ARRIVE, STEP_END, EVENTS = 0, 1, 2, 3
+SCRAPE, ARRIVE, STEP_END, EVENTS, RESTART = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -37,6 +39,10 @@ class EventFaults:
     resume_at: float | None = None
     drop_every: int = 0  # every Nth batch lost on the wire (filled by replay when replay=True)
     replay: bool = True
+    # the engine process restarts at this time: its cache is empty, the requests it held fail (outcome
+    # "failed"), its events start again at seq 0 with no AllBlocksCleared and its work counters from 0, as a
+    # restarted vLLM's do; the router learns it only from those (the feed's seq rule, the metrics' counters)
+    restart_at: float | None = None
 
 
 @dataclass
@@ -44,10 +50,14 @@ class SimConfig:
     workers: int = 8
     policy: str = "precise"
     engine: EngineConfig = field(default_factory=EngineConfig)
+    engines: dict[int, EngineConfig] = field(default_factory=dict)  # per-worker overrides (same block size)
     routing: RoutingConfig | None = None  # default: RoutingConfig(policy, block size of the engine)
     faults: dict[int, EventFaults] = field(default_factory=dict)
     seed: int = 0
     scrape_interval_s: float = 1.0  # the live fleet's probe interval (0: no metrics)
+    # at this time the worker holding the most cached blocks (then the most requests) restarts, as
+    # EventFaults.restart_at: the restart that costs each policy the most cache, whichever worker that is
+    restart_busiest_at: float | None = None
 
 
 @dataclass
@@ -60,8 +70,9 @@ class RequestRecord:
     cached_tokens: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
-    outcome: str = "routed"  # routed | shed | no_endpoint | rejected (the engine refused it: an HTTP 400)
-    error: str | None = None  # why the engine rejected it
+    # routed | shed | no_endpoint | rejected (the engine refused it: an HTTP 400) | failed (its worker restarted)
+    outcome: str = "routed"
+    error: str | None = None  # why the engine rejected it, or why it failed
 
     @property
     def ttft(self) -> float | None:
@@ -85,10 +96,17 @@ class Simulation:
         self.config = config
         ec = config.engine
         self.block_size = ec.block_size
-        routing = config.routing or RoutingConfig(policy=config.policy, block_size=ec.block_size, seed=config.seed)
+        routing = config.routing
+        if routing is None and config.policy == ORACLE:
+            routing = oracle_routing(block_size=ec.block_size, seed=config.seed)
+        routing = routing or RoutingConfig(policy=config.policy, block_size=ec.block_size, seed=config.seed)
         self.core = RoutingCore(routing)
         self.ids = [f"w{i}" for i in range(config.workers)]
-        self.engines = {w: EngineModel(ec) for w in self.ids}
+        self.engine_configs = {w: config.engines.get(i, ec) for i, w in enumerate(self.ids)}
+        if any(c.block_size != ec.block_size for c in self.engine_configs.values()):
+            raise ValueError("every engine of a simulation has the same block size")
+        self.engines = {w: EngineModel(self.engine_configs[w]) for w in self.ids}
+        self.generation = dict.fromkeys(self.ids, 0)  # engine process generation: a restart starts a new one
         for i, w in enumerate(self.ids):
             self.core.upsert_endpoint(Endpoint(w, f"10.0.0.{i + 1}:8000"))
         self.busy = dict.fromkeys(self.ids, False)
@@ -98,6 +116,13 @@ class Simulation:
         self.counter = itertools.count()
         self.records: dict[str, RequestRecord] = {}
         self.route_reqs: dict[str, RouteRequest] = {}
+        self.deciding: tuple[SimRequest, np.ndarray] | None = None  # the arrival being decided, for sim plugins
+        self.restarts: list[tuple[float, str]] = []  # (time, worker) of each engine restart
+        self._scraped: dict[str, tuple[tuple, EngineMetrics]] = {}  # per worker: engine state, its parsed scrape
+        for plugin in self.core.profile.plugins:  # plugins that read the simulation itself (sim/oracle.py)
+            attach = getattr(plugin, "attach_simulation", None)
+            if attach is not None:
+                attach(self)
 
     def _push(self, t: float, kind: int, data: object) -> None:
         heapq.heappush(self.heap, (t, next(self.counter), kind, data))
@@ -111,6 +136,11 @@ class Simulation:
             if self.config.scrape_interval_s > 0:
                 self._push(0.0, SCRAPE, None)
             self._push(self.requests[0].arrival, ARRIVE, self.requests[0])
+            for i, f in self.config.faults.items():
+                if f.restart_at is not None and i < len(self.ids):
+                    self._push(f.restart_at, RESTART, self.ids[i])
+            if self.config.restart_busiest_at is not None:
+                self._push(self.config.restart_busiest_at, RESTART, None)
         done = 0
         total = len(self.requests)
         now = 0.0
@@ -133,7 +163,9 @@ class Simulation:
                     if progress:
                         progress(done, total)
             elif kind == STEP_END:
-                w, result = data  # type: ignore[misc]
+                w, gen, result = data  # type: ignore[misc]
+                if gen != self.generation[w]:
+                    continue  # a step of an engine process that has restarted since
                 finished = self._step_end(w, result, now)
                 for rec in finished:
                     hit += rec.cached_tokens
@@ -145,9 +177,15 @@ class Simulation:
                 self._scrape(now)
                 if self.next_arrival < total or any(e.has_work for e in self.engines.values()):
                     self._push(now + self.config.scrape_interval_s, SCRAPE, None)
+            elif kind == RESTART:
+                lost = self._restart(data, now)  # type: ignore[arg-type]
+                done += lost
+                if progress and lost:
+                    progress(done, total)
             else:
-                w, batch = data  # type: ignore[misc]
-                self._deliver(w, batch, now)
+                w, gen, batch = data  # type: ignore[misc]
+                if gen == self.generation[w]:  # what a dead process had not yet sent is lost with it
+                    self._deliver(w, batch, now)
             if now >= next_sample:
                 loads = [self.core.load.load(w).requests for w in self.ids]
                 timeline.append((now, hit / prompt if prompt else 0.0, loads))
@@ -161,12 +199,24 @@ class Simulation:
                          _time.perf_counter() - started)
 
     # ---- events ----------------------------------------------------------------------------------
+    def route_request(self, r: SimRequest, tokens: np.ndarray) -> RouteRequest:
+        keys = chain_keys(tokens, self.block_size)
+        return RouteRequest(r.request_id, keys, len(tokens), self.block_size, r.output_len, session=r.session)
+
+    def decide(self, r: SimRequest, now: float, tokens: np.ndarray | None = None) -> tuple[RouteRequest, Decision]:
+        """The core's decision for ``r`` at ``now`` (plugins reading the simulation see it as ``deciding``)."""
+        tokens = r.tokens if tokens is None else tokens
+        rr = self.route_request(r, tokens)
+        self.deciding = (r, tokens)
+        try:
+            return rr, self.core.decide(rr, now)
+        finally:
+            self.deciding = None
+
     def _arrive(self, r: SimRequest, now: float) -> bool:
         """Route one arrival; ``False`` when it ends here (shed, no endpoint, or rejected by the engine)."""
         tokens = r.tokens
-        keys = chain_keys(tokens, self.block_size)
-        rr = RouteRequest(r.request_id, keys, len(tokens), self.block_size, r.output_len, session=r.session)
-        decision = self.core.decide(rr, now)
+        rr, decision = self.decide(r, now, tokens)
         rec = RequestRecord(r.request_id, now, decision.chosen, len(tokens))
         self.records[r.request_id] = rec
         if decision.outcome != "routed":
@@ -187,14 +237,24 @@ class Simulation:
 
     def _scrape(self, now: float) -> None:
         for w, engine in self.engines.items():
-            self.core.update_metrics(w, parse_engine_metrics(engine_metrics_text(engine), now))
+            st = engine.stats
+            # the exposition text is a function of these: an engine unchanged since its last scrape reads the same
+            key = (engine, engine.num_running, engine.num_waiting, engine.kv_usage, st.prefix_queries_tokens,
+                   st.prefix_hits_tokens, st.preemptions, st.prompt_tokens, st.generation_tokens)
+            last = self._scraped.get(w)
+            if last is not None and last[0] == key:
+                metrics = dataclasses.replace(last[1], scraped_at=now)
+            else:
+                metrics = parse_engine_metrics(engine_metrics_text(engine), now)
+                self._scraped[w] = (key, metrics)
+            self.core.update_metrics(w, metrics)
 
     def _start_step(self, w: str, now: float) -> None:
         # nothing reaches this engine before the next arrival: let pure decode runs fast-forward to it
         until = self.requests[self.next_arrival].arrival if self.next_arrival < len(self.requests) else float("inf")
         result = self.engines[w].step(now, until)
         self.busy[w] = True
-        self._push(now + result.duration_s, STEP_END, (w, result))
+        self._push(now + result.duration_s, STEP_END, (w, self.generation[w], result))
 
     def _step_end(self, w: str, result: StepResult, now: float) -> list[RequestRecord]:
         finished = []
@@ -226,7 +286,33 @@ class Simulation:
         self.published[w].append(batch)
         if f is not None and f.drop_every and (seq + 1) % f.drop_every == 0:
             return  # lost on the wire; noticed at the next batch
-        self._push(now + (f.delay_s if f else 0.0), EVENTS, (w, (seq, batch)))
+        self._push(now + (f.delay_s if f else 0.0), EVENTS, (w, self.generation[w], (seq, batch)))
+
+    def _restart(self, w: str | None, now: float) -> int:
+        """The engine process of ``w`` (None: the one holding the most cached blocks) restarts, instantly: a
+        fresh engine, an empty cache, events from seq 0 and no replay history, work counters from 0. What it
+        held fails; returns how many requests that was."""
+        if w is None:
+            w = max(self.ids, key=lambda i: (len(self.engines[i].pool.cached),
+                                             self.engines[i].num_running + self.engines[i].num_waiting))
+        self.restarts.append((now, w))
+        old = self.engines[w]
+        lost = 0
+        for req in [*old.running, *old.waiting]:
+            rec = self.records.get(req.request_id)
+            if rec is None or rec.outcome != "routed" or rec.finished_at is not None:
+                continue
+            rec.outcome, rec.error = "failed", "worker restarted"
+            d = self.core.dispatches.get(req.request_id)
+            if d is not None:  # the client's stream ends in an error
+                (d.complete if rec.first_token_at is not None else d.fail)(now)
+            lost += 1
+        self.engines[w] = EngineModel(self.engine_configs[w])
+        self.generation[w] += 1
+        self.busy[w] = False
+        self.seq[w] = 0
+        self.published[w] = []
+        return lost
 
     def _deliver(self, w: str, item: tuple[int, EventBatch], now: float) -> None:
         seq, batch = item
@@ -260,18 +346,23 @@ def summarise(result: SimResult) -> dict[str, float]:
     cached = sum(r.cached_tokens for r in routed)
     out_tokens = sum(r.output_tokens for r in routed)
     loads = np.array(list(result.per_worker_prompt_tokens.values()), dtype=float)
+    # time per output token after the first: (finished - first token) / (output tokens - 1)
+    tpot = [(r.finished_at - r.first_token_at) / (r.output_tokens - 1) for r in routed
+            if r.finished_at is not None and r.output_tokens > 1]
     return {
         "ttft_mean_s": float(ttft.mean()),
         "ttft_p50_s": float(np.percentile(ttft, 50)),
         "ttft_p99_s": float(np.percentile(ttft, 99)),
         "e2e_mean_s": float(e2e.mean()),
         "e2e_p99_s": float(np.percentile(e2e, 99)),
+        "tpot_mean_s": float(np.mean(tpot)) if tpot else 0.0,
         "hit_rate": cached / prompt if prompt else 0.0,
         "throughput_tok_s": out_tokens / result.makespan_s if result.makespan_s else 0.0,
         "load_imbalance": float(loads.max() / loads.mean()) if loads.mean() else 1.0,
         "shed": sum(1 for r in recs if r.outcome == "shed"),
         "no_endpoint": sum(1 for r in recs if r.outcome == "no_endpoint"),
         "rejected": sum(1 for r in recs if r.outcome == "rejected"),
+        "failed": sum(1 for r in recs if r.outcome == "failed"),
         "completed": sum(1 for r in recs if r.finished_at is not None),
         "requests": len(recs),
         "wall_s": result.wall_s,

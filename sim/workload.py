@@ -7,6 +7,7 @@ tokens, and block keys at any engine block size stay consistent.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -108,12 +109,17 @@ def repeat_trace(requests: list[SimRequest], times: int) -> list[SimRequest]:
 
 
 def shared_prefix(groups: int = 64, per_group: int = 16, system_tokens: int = 2048, question_tokens: int = 128,
-                  output_tokens: int = 256, rate: float = 8.0, seed: int = 0) -> list[SimRequest]:
+                  output_tokens: int = 256, rate: float = 8.0, seed: int = 0,
+                  grouped: bool = False) -> list[SimRequest]:
     """SGLang's generated-shared-prefix shape (64 x 16, 2048 system, 128 question, 256 output), Poisson arrivals,
-    prompts of all groups interleaved at random."""
+    prompts of all groups interleaved at random (``grouped``: each group's prompts back to back, groups in
+    random order: a burst per new prefix)."""
     rng = np.random.default_rng(seed)
     order = [(g, q) for g in range(groups) for q in range(per_group)]
     rng.shuffle(order)
+    if grouped:
+        rank = {g: i for i, g in enumerate(rng.permutation(groups).tolist())}
+        order.sort(key=lambda gq: rank[gq[0]])
     t = 0.0
     out = []
     for g, q in order:
@@ -125,8 +131,13 @@ def shared_prefix(groups: int = 64, per_group: int = 16, system_tokens: int = 20
 
 
 def multi_turn(conversations: int = 200, turns: int = 5, system_tokens: int = 1024, user_tokens: int = 200,
-               output_tokens: int = 150, rate: float = 4.0, think_s: float = 5.0, seed: int = 0) -> list[SimRequest]:
-    """Conversations whose every turn extends the previous prompt (plus a stand-in for the previous answer)."""
+               output_tokens: int = 150, rate: float = 4.0, think_s: float = 5.0, seed: int = 0,
+               real_answers: bool = False) -> list[SimRequest]:
+    """Conversations whose every turn extends the previous prompt with the previous answer and a new question.
+
+    The answer is a stand-in, or (``real_answers``) the very tokens the engine model generates for that prompt
+    (its output is deterministic in the prompt, as at temperature 0), so a turn also hits the previous answer's
+    KV blocks, as a chat client sending the conversation back does on vLLM."""
     rng = np.random.default_rng(seed)
     out = []
     start = 0.0
@@ -139,10 +150,55 @@ def multi_turn(conversations: int = 200, turns: int = 5, system_tokens: int = 10
             user = tokens_for_block(40_000_000 + c * 1000 + k, user_tokens)
             prompt = np.concatenate([prompt, user])
             out.append(SimRequest(f"c{c}t{k}", t, prompt, output_tokens, f"conv-{c}"))
-            answer = tokens_for_block(50_000_000 + c * 1000 + k, output_tokens)
+            answer = (engine_answer(prompt, output_tokens) if real_answers
+                      else tokens_for_block(50_000_000 + c * 1000 + k, output_tokens))
             prompt = np.concatenate([prompt, answer])
             t += think_s + float(rng.exponential(think_s))
     out.sort(key=lambda r: r.arrival)
+    return out
+
+
+def engine_answer(prompt: np.ndarray, output_tokens: int, vocab: int = VOCAB) -> np.ndarray:
+    """The tokens the engine model generates for ``prompt`` (workers.engine: deterministic in the prompt)."""
+    from workers.engine import EngineRequest
+
+    return np.array(EngineRequest("answer", prompt, output_tokens).next_tokens(output_tokens, vocab), dtype=np.uint32)
+
+
+def hot_prefix(requests: int = 600, prefix_tokens: int = 8192, unique_blocks: tuple[int, int] = (1, 2),
+               block_size: int = 16, output_tokens: int = 128, rate: float = 12.0, seed: int = 0) -> list[SimRequest]:
+    """One hot prefix: every prompt is the same ``prefix_tokens`` plus 1-2 blocks of its own; Poisson arrivals
+    (SGLang issue #21199's shape: routing all of it to the holder overloads it)."""
+    rng = np.random.default_rng(seed)
+    prefix = tokens_for_block(60_000_000, prefix_tokens)
+    out, t = [], 0.0
+    lo, hi = unique_blocks
+    for i in range(requests):
+        t += float(rng.exponential(1.0 / rate))
+        own = tokens_for_block(61_000_000 + seed * 1_000_000 + i, int(rng.integers(lo, hi + 1)) * block_size)
+        out.append(SimRequest(f"h{i}", t, np.concatenate([prefix, own]), output_tokens))
+    return out
+
+
+def zipf_prefixes(requests: int = 800, prefixes: int = 24, prefix_tokens: int = 4096, zipf_s: float = 1.1,
+                  suffix_tokens: tuple[int, int] = (64, 256), output_tokens: int = 128, rate: float = 12.0,
+                  seed: int = 0, salt: int = 0) -> list[SimRequest]:
+    """Several hot prefixes of unequal popularity: prefix k (0-based) is drawn with probability proportional to
+    ``1 / (k + 1) ** zipf_s``; each prompt adds a suffix of its own (uniform in ``suffix_tokens``)."""
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, prefixes + 1) ** zipf_s
+    weights /= weights.sum()
+    base = 70_000_000 + salt * 1_000_000
+    cache: dict[int, np.ndarray] = {}
+    out, t = [], 0.0
+    lo, hi = suffix_tokens
+    for i in range(requests):
+        t += float(rng.exponential(1.0 / rate))
+        k = int(rng.choice(prefixes, p=weights))
+        if k not in cache:
+            cache[k] = tokens_for_block(base + k, prefix_tokens)
+        suffix = tokens_for_block(base + 500_000 + seed * 100_000 + i, int(rng.integers(lo, hi + 1)))
+        out.append(SimRequest(f"z{i}p{k}", t, np.concatenate([cache[k], suffix]), output_tokens, f"prefix-{k}"))
     return out
 
 
@@ -152,27 +208,39 @@ def demo_shape(rate: float = 16.0, seed: int = 0) -> list[SimRequest]:
     return shared_prefix(24, 6, 1880, 64, 48, rate, seed)
 
 
-WORKLOADS = {"shared_prefix": shared_prefix, "multi_turn": multi_turn, "demo": demo_shape}
+WORKLOADS = {"shared_prefix": shared_prefix, "multi_turn": multi_turn, "demo": demo_shape, "hot_prefix": hot_prefix,
+             "zipf_prefixes": zipf_prefixes}
+
+
+def prefix_keys(r: SimRequest, block: int) -> tuple[list, int]:
+    """Prefix-closed keys of a request's full blocks and their size: a Mooncake row's hash ids (512-token
+    blocks, each naming its whole prefix), else a running digest of the raw token bytes per ``block`` (an
+    independent hash: not the router's keys, not the engine's)."""
+    n = r.num_tokens
+    if r.hash_ids and len(r.hash_ids) * TRACE_BLOCK >= n:
+        return list(r.hash_ids), TRACE_BLOCK
+    data = r.tokens.tobytes()
+    h = hashlib.blake2b(digest_size=16)
+    keys = []
+    step = block * 4
+    for i in range(n // block):
+        h.update(data[i * step : (i + 1) * step])
+        keys.append(h.copy().digest())
+    return keys, block
 
 
 def infinite_cache_bound(requests: list[SimRequest], block: int) -> float:
     """Token hit rate of one infinite cache shared by all, computed from the requests' own content.
 
-    Mooncake rows use their hash ids (prefix-closed 512-token blocks); others hash raw token bytes per
-    ``block``. Independent of the router's keys and of the engine model. Like an engine, it never counts
-    the last prompt token as a hit.
+    Keys from ``prefix_keys``: independent of the router's keys and of the engine model. Like an engine, it never
+    counts the last prompt token as a hit.
     """
     seen: set = set()
     hit = total = 0
     for r in sorted(requests, key=lambda r: r.arrival):
         n = r.num_tokens
         total += n
-        keys: list
-        if r.hash_ids and len(r.hash_ids) * TRACE_BLOCK >= n:
-            keys, size = list(r.hash_ids), TRACE_BLOCK  # prefix-closed: an id names its whole prefix
-        else:
-            data = r.tokens.tobytes()
-            keys, size = [data[: (i + 1) * block * 4] for i in range(n // block)], block
+        keys, size = prefix_keys(r, block)
         matched = 0
         for k in keys:
             if k not in seen:
@@ -181,3 +249,16 @@ def infinite_cache_bound(requests: list[SimRequest], block: int) -> float:
         hit += min(matched * size, n - 1)
         seen.update(keys)
     return hit / total if total else 0.0
+
+
+def working_set_tokens(requests: list[SimRequest], block: int) -> int:
+    """Tokens of distinct full prompt blocks over the whole workload: what an infinite cache ends up holding."""
+    seen: set = set()
+    tokens = 0
+    for r in requests:
+        keys, size = prefix_keys(r, block)
+        for k in keys:
+            if k not in seen:
+                seen.add(k)
+                tokens += size
+    return tokens

@@ -166,10 +166,10 @@ class RoutingCore:
         decision.predicted_ttft_s = chosen.ttft_s or None
         if profile.uses_prefix and not any(c.prefix_credit for c in eligible):
             decision.reason = "load only: no worker's index is synced and fresh"
-        elif profile.uses_prefix:
-            decision.reason = f"min estimated TTFT {chosen.ttft_s * 1e3:.1f} ms"
+        elif chosen.ttft_s:
+            decision.reason = f"{profile.name}: min estimated TTFT {chosen.ttft_s * 1e3:.1f} ms"
         else:
-            decision.reason = profile.name
+            decision.reason = profile.name if not profile.scorers else f"{profile.name}: score {chosen.score:.4g}"
         decision.candidates = [*eligible, *filtered]
         return decision
 
