@@ -35,7 +35,7 @@ DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent / "data"  # package data
 BOUND_SLACK = 2
 MAX_BATCH = 256  # prompts (or embedding inputs) in one request
 KINDS = ("completions", "chat", "embeddings", "responses")  # what a request body is, by its endpoint
-RESPONSE_TEXT_PARTS = ("input_text", "output_text", "text")  # Responses content parts that carry text
+RESPONSE_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})  # Responses content parts that carry text
 
 
 class PromptError(ValueError):
@@ -62,6 +62,25 @@ def context_error(prompt_tokens: int, max_tokens: int | None, max_model_len: int
     return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the completion). "
             f"Please reduce the length of the prompt or completion.")
+
+
+CHAT_TEXT_PARTS = frozenset({"text", None})  # chat: a part without a type is text
+
+
+def text_of_parts(parts: list[Any], kinds: frozenset[str | None]) -> str:
+    """The text of OpenAI content parts whose ``type`` is one of ``kinds`` (images and the rest are skipped: the
+    router keys on text); a text part without a string ``text`` is refused."""
+    texts = []
+    for part in parts:
+        if not isinstance(part, dict):
+            raise PromptError("each content part must be an object")
+        if part.get("type") not in kinds:
+            continue
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise PromptError("a text content part needs a string 'text'")
+        texts.append(text)
+    return "".join(texts)
 
 
 class PromptTokenizer:
@@ -174,17 +193,7 @@ class PromptTokenizer:
             if content is None:  # an assistant turn with tool calls only
                 content = ""
             if isinstance(content, list):  # OpenAI content parts: keep the text ones
-                texts = []
-                for part in content:
-                    if not isinstance(part, dict):
-                        raise PromptError("each content part must be an object")
-                    if part.get("type", "text") != "text":
-                        continue
-                    text = part.get("text")
-                    if not isinstance(text, str):
-                        raise PromptError("a text content part needs a string 'text'")
-                    texts.append(text)
-                content = "".join(texts)
+                content = text_of_parts(content, CHAT_TEXT_PARTS)
             if not isinstance(content, str):
                 raise PromptError("message 'content' must be a string or a list of text parts")
             chars += len(content) + len(m["role"])
@@ -225,17 +234,7 @@ class PromptTokenizer:
             if not isinstance(role, str) or not role:
                 raise PromptError("each 'input' message needs a string 'role'")
             if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if not isinstance(part, dict):
-                        raise PromptError("each content part must be an object")
-                    if part.get("type") not in RESPONSE_TEXT_PARTS:
-                        continue
-                    text = part.get("text")
-                    if not isinstance(text, str):
-                        raise PromptError("a text content part needs a string 'text'")
-                    texts.append(text)
-                content = "".join(texts)
+                content = text_of_parts(content, RESPONSE_TEXT_PARTS)
             if not isinstance(content, str):
                 raise PromptError("message 'content' must be a string or a list of text parts")
             messages.append({"role": role, "content": content})

@@ -33,18 +33,24 @@ async def health_latencies(session: aiohttp.ClientSession, url: str, until: asyn
     return out
 
 
-async def test_a_30mb_prompt_is_refused_while_health_answers():
+async def test_a_30mb_prompt_is_refused_while_health_answers(tmp_path):
     w = await start_worker()
     try:
         async with proxy([spec_of(w, "w0")]) as (server, url, _a), aiohttp.ClientSession() as s:
             await wait_until(lambda: "w0" in server.fleet.context_lens)  # learned from /v1/models: 32768
             assert server.fleet.max_model_len() == 32768
-            big = json.dumps({"prompt": "word " * 6_000_000, "max_tokens": 4}).encode()  # 30 MB
-            task = asyncio.create_task(s.post(url + "/v1/completions", data=big))
+            body_file = tmp_path / "big.json"
+            body_file.write_bytes(json.dumps({"prompt": "word " * 6_000_000, "max_tokens": 4}).encode())  # 30 MB
+            # the big client is another process (curl), as an attacker's would be: this loop serves only the router
+            curl = await asyncio.create_subprocess_exec(
+                "curl", "-sS", "-o", str(tmp_path / "answer.json"), "-w", "%{http_code}", "-H",
+                "content-type: application/json", "--data-binary", f"@{body_file}", url + "/v1/completions",
+                stdout=asyncio.subprocess.PIPE)
+            task = asyncio.create_task(curl.communicate())
             lat = await health_latencies(s, url, task)
-            r = await task
-            body = await r.json()
-            assert r.status == 400 and "32768" in body["message"]
+            status = (await task)[0].decode()
+            body = json.loads((tmp_path / "answer.json").read_text())
+            assert status == "400" and "32768" in body["message"]
             assert lat and max(lat) < 0.1, lat  # the bar: /health within 100 ms meanwhile
             assert w.worker.engine.stats.finished == 0  # nothing reached the worker
     finally:
