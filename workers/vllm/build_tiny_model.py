@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "sim" / "data"
+TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "router" / "data"  # the bundled BPE (package data)
 
 
 def build(out: Path, seed: int = 0) -> Path:
