@@ -11,6 +11,7 @@ from router.scheduling import BUILTIN_PROFILES as POLICIES
 from sim.oracle import ORACLE
 from sim.report import Progress, plots, stable_json, table
 from sim.runner import SimConfig, Simulation, pooled, summarise
+from sim.suite import SUITES
 from sim.workload import WORKLOADS, SimRequest, infinite_cache_bound, mooncake, repeat_trace
 from workers.engine import EngineConfig, TimingModel
 
@@ -21,10 +22,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake JSONL trace (e.g. ../shared/traces/mooncake_conversation_trace.jsonl)")
     src.add_argument("--workload", choices=sorted(WORKLOADS), help="a synthetic workload")
+    src.add_argument("--suite", choices=sorted(SUITES),
+                     help="every profile plus the oracle over a set of scenarios (sim/suite.py); "
+                          "--quick, --scenarios, --policies, --json and --plots apply")
     p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--policies", default=DEFAULT_POLICIES,
+    p.add_argument("--policies", default=None,
                    help=f"comma-separated, from {sorted([*POLICIES, ORACLE])} (oracle: the precise objective on the "
-                        "engines' true state, sim only)")
+                        "engines' true state, sim only); default: " + DEFAULT_POLICIES + ", or with --suite "
+                        "every built-in profile and oracle")
     p.add_argument("--speedup", type=float, default=1.0, help="divide trace arrival times (more load)")
     p.add_argument("--rate", type=float, default=None, help="synthetic workloads: arrivals per second")
     p.add_argument("--jitter", type=float, default=3.0, help="spread the trace's ~3 s quantised timestamps (s)")
@@ -45,11 +50,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "engine answers 400, and counted per policy as 'rejected' (default %(default)s)")
     p.add_argument("--timing", default=None, help="YAML/JSON overriding the engine timing model")
     p.add_argument("--json", action="store_true", help="print JSON with stable keys instead of the table")
-    p.add_argument("--plots", default=None, metavar="DIR", help="write TTFT CDF and hit/load PNGs here")
+    p.add_argument("--plots", default=None, metavar="DIR",
+                   help="write PNGs here (TTFT CDF and hit/load; with --suite one per scenario); needs "
+                        "pip install 'kvrouter[charts]'")
+    p.add_argument("--quick", action="store_true", help="--suite: every scenario at a fraction of its size (CI)")
+    p.add_argument("--scenarios", default=None, help="--suite: only these scenarios (comma-separated)")
 
 
 def run(args: argparse.Namespace) -> int:
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("kvrouter sim: --plots needs matplotlib: pip install 'kvrouter[charts]'", file=sys.stderr)
+            return 2
+    if getattr(args, "suite", None):
+        from sim.suite import main_suite
+
+        return main_suite(args)
+    policies = [p.strip() for p in (args.policies or DEFAULT_POLICIES).split(",") if p.strip()]
     known = [*POLICIES, ORACLE]
     unknown = [p for p in policies if p not in known]
     if unknown:

@@ -296,14 +296,13 @@ class Simulation:
             w = max(self.ids, key=lambda i: (len(self.engines[i].pool.cached),
                                              self.engines[i].num_running + self.engines[i].num_waiting))
         self.restarts.append((now, w))
-        old = self.engines[w]
         lost = 0
-        for req in [*old.running, *old.waiting]:
-            rec = self.records.get(req.request_id)
-            if rec is None or rec.outcome != "routed" or rec.finished_at is not None:
+        # every request there not yet answered in full, those of the step in progress included
+        for rec in self.records.values():
+            if rec.worker != w or rec.outcome != "routed" or rec.finished_at is not None:
                 continue
             rec.outcome, rec.error = "failed", "worker restarted"
-            d = self.core.dispatches.get(req.request_id)
+            d = self.core.dispatches.get(rec.request_id)
             if d is not None:  # the client's stream ends in an error
                 (d.complete if rec.first_token_at is not None else d.fail)(now)
             lost += 1

@@ -212,53 +212,60 @@ WORKLOADS = {"shared_prefix": shared_prefix, "multi_turn": multi_turn, "demo": d
              "zipf_prefixes": zipf_prefixes}
 
 
-def prefix_keys(r: SimRequest, block: int) -> tuple[list, int]:
-    """Prefix-closed keys of a request's full blocks and their size: a Mooncake row's hash ids (512-token
-    blocks, each naming its whole prefix), else a running digest of the raw token bytes per ``block`` (an
-    independent hash: not the router's keys, not the engine's)."""
+def prefix_keys(r: SimRequest, block: int, with_output: bool = False) -> tuple[list, int, int]:
+    """Prefix-closed keys of a request's full blocks, their size and how many of them the prompt has: a Mooncake
+    row's hash ids (512-token blocks, each naming its whole prefix), else a running digest of the raw token
+    bytes per ``block`` (an independent hash: not the router's keys, not the engine's). ``with_output``: of a
+    token prompt, also the blocks the engine model fills while generating its answer (all but the last token's
+    KV), which a later prompt repeating the answer hits."""
     n = r.num_tokens
     if r.hash_ids and len(r.hash_ids) * TRACE_BLOCK >= n:
-        return list(r.hash_ids), TRACE_BLOCK
-    data = r.tokens.tobytes()
+        return list(r.hash_ids), TRACE_BLOCK, len(r.hash_ids)
+    tokens = r.tokens
+    if with_output and r.output_len > 1:
+        tokens = np.concatenate([tokens, engine_answer(tokens, r.output_len)[:-1]])
+    data = tokens.tobytes()
     h = hashlib.blake2b(digest_size=16)
     keys = []
     step = block * 4
-    for i in range(n // block):
+    for i in range(len(tokens) // block):
         h.update(data[i * step : (i + 1) * step])
         keys.append(h.copy().digest())
-    return keys, block
+    return keys, block, n // block
 
 
 def infinite_cache_bound(requests: list[SimRequest], block: int) -> float:
     """Token hit rate of one infinite cache shared by all, computed from the requests' own content.
 
     Keys from ``prefix_keys``: independent of the router's keys and of the engine model. Like an engine, it never
-    counts the last prompt token as a hit.
+    counts the last prompt token as a hit, and it holds what each answer filled too (a conversation's next turn
+    repeats the answer).
     """
+    return cache_bound(requests, block)[0]
+
+
+def working_set_tokens(requests: list[SimRequest], block: int) -> int:
+    """Tokens of distinct full blocks over the whole workload (prompts and answers): what an infinite cache ends up
+    holding."""
+    return cache_bound(requests, block)[1]
+
+
+def cache_bound(requests: list[SimRequest], block: int) -> tuple[float, int]:
+    """``infinite_cache_bound`` and ``working_set_tokens`` in one pass."""
     seen: set = set()
-    hit = total = 0
+    hit = total = working = 0
     for r in sorted(requests, key=lambda r: r.arrival):
         n = r.num_tokens
         total += n
-        keys, size = prefix_keys(r, block)
+        keys, size, prompt_blocks = prefix_keys(r, block, with_output=True)
         matched = 0
-        for k in keys:
+        for k in keys[:prompt_blocks]:
             if k not in seen:
                 break
             matched += 1
         hit += min(matched * size, n - 1)
-        seen.update(keys)
-    return hit / total if total else 0.0
-
-
-def working_set_tokens(requests: list[SimRequest], block: int) -> int:
-    """Tokens of distinct full prompt blocks over the whole workload: what an infinite cache ends up holding."""
-    seen: set = set()
-    tokens = 0
-    for r in requests:
-        keys, size = prefix_keys(r, block)
-        for k in keys:
+        for k in keys[matched:]:
             if k not in seen:
                 seen.add(k)
-                tokens += size
-    return tokens
+                working += size
+    return (hit / total if total else 0.0), working
