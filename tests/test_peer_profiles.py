@@ -351,3 +351,33 @@ def test_every_peer_plugin_cites_its_source():
                  "llmd-prefix-affinity", "dynamo-cost", "softmax", "aibrix-prefix-cache", "preble-e2"):
         doc = sys.modules[REGISTRY[name].__module__].__doc__ or ""
         assert any(s in doc for s in ("llm-d/", "ai-dynamo/", "vllm-project/aibrix", "Preble")), name
+
+
+def test_decode_load_prices_the_decode_a_request_spends_and_adds_at_a_workers_kv_load():
+    """Hand-computed: step(p) = a p^2 + b p + c ms; 1,000 blocks of capacity, 16-token blocks."""
+    from router.load import LoadTracker
+    from router.scheduling.plugins.scorers.decode_load import DecodeLoad, DecodeLoadParams
+    from router.scheduling.snapshot import Candidate
+
+    scorer = DecodeLoad(DecodeLoadParams(step_ms_a=0.0, step_ms_b=100.0, step_ms_c=10.0, remaining_fraction=0.5))
+    tracker = LoadTracker()
+    shared = list(range(1, 101))  # a 100-block prefix two requests in flight hold on "busy"
+    for rid in ("a", "b"):
+        tracker.dispatch(rid, "busy", 1600, 0, 200, 0.0, keys=shared, block_size=16)
+    busy = tracker.workers["busy"]
+    assert busy.active_blocks == 100 + 2 * 13 and busy.output_tokens == 400  # 200 output tokens: 13 blocks each
+    req = RouteRequest("r", [*shared, 999], 1616, 16, 160)  # the prefix plus one block, 160 output tokens
+    cap = 1000 * 16
+    cands = [Candidate("busy", load=busy, capacity_tokens=cap), Candidate("idle", capacity_tokens=cap)]
+
+    class Snap:
+        request = req
+
+    got = scorer.score(Snap(), cands)  # type: ignore[arg-type]
+    tail = 10  # (1616 - 101 * 16 + 160) / 16, rounded up: its output blocks
+    # busy: p0 = 126/1000, the request adds its own block + tail (the prefix is held): p1 = 138/1000
+    s0, s1 = (0.126 * 100 + 10) / 1e3, ((126 + 1 + tail) / 1000 * 100 + 10) / 1e3
+    assert got[0] == pytest.approx(160 * s1 + 0.5 * 400 * (s1 - s0))
+    # idle: nothing in flight, the whole prompt and tail are new: p1 = 112/1000, nobody else slowed
+    assert got[1] == pytest.approx(160 * ((101 + tail) / 1000 * 100 + 10) / 1e3)
+    assert got[0] < got[1]  # a held prefix costs the busy worker less KV than a second copy costs the idle one

@@ -39,6 +39,7 @@ class WorkerLoad:
     prompt_tokens: int = 0
     pending_prefill_tokens: int = 0  # uncached tokens of requests still waiting for their first token
     decoding: int = 0  # requests past their first token
+    output_tokens: int = 0  # max_tokens of the requests in flight: the decode work they still have, at most
     dispatched_total: int = 0
     last_dispatch_at: float | None = None
     active_keys: dict[int, int] = field(default_factory=dict)  # prompt block key -> requests in flight using it
@@ -92,6 +93,7 @@ class LoadTracker:
         w.request_ids.add(request_id)
         w.release = None
         w.requests += 1
+        w.output_tokens += max_tokens
         w.prompt_tokens += prompt_tokens
         w.pending_prefill_tokens += uncached_tokens
         w.dispatched_total += 1
@@ -123,6 +125,7 @@ class LoadTracker:
         w.request_ids.discard(request_id)
         w.release = None
         w.requests -= 1
+        w.output_tokens -= r.max_tokens
         w.prompt_tokens -= r.prompt_tokens
         if r.first_token_at is None:
             w.pending_prefill_tokens -= r.uncached_tokens
