@@ -368,7 +368,10 @@ def test_decode_load_prices_the_decode_a_request_spends_and_adds_at_a_workers_kv
     assert busy.active_blocks == 100 + 2 * 13 and busy.output_tokens == 400  # 200 output tokens: 13 blocks each
     req = RouteRequest("r", [*shared, 999], 1616, 16, 160)  # the prefix plus one block, 160 output tokens
     cap = 1000 * 16
-    cands = [Candidate("busy", load=busy, capacity_tokens=cap), Candidate("idle", capacity_tokens=cap)]
+    for rid in ("c", "d"):  # as busy as "busy", but its requests share none of this prompt
+        tracker.dispatch(rid, "other", 1600, 0, 200, 0.0, keys=list(range(5001, 5101)), block_size=16)
+    cands = [Candidate("busy", load=busy, capacity_tokens=cap), Candidate("idle", capacity_tokens=cap),
+             Candidate("other", load=tracker.workers["other"], capacity_tokens=cap)]
 
     class Snap:
         request = req
@@ -380,4 +383,6 @@ def test_decode_load_prices_the_decode_a_request_spends_and_adds_at_a_workers_kv
     assert got[0] == pytest.approx(160 * s1 + 0.5 * 400 * (s1 - s0))
     # idle: nothing in flight, the whole prompt and tail are new: p1 = 112/1000, nobody else slowed
     assert got[1] == pytest.approx(160 * ((101 + tail) / 1000 * 100 + 10) / 1e3)
-    assert got[0] < got[1]  # a held prefix costs the busy worker less KV than a second copy costs the idle one
+    # as loaded, but without the prefix in use: its copy adds all 111 blocks, and slows the other two more
+    s1_other = ((126 + 101 + tail) / 1000 * 100 + 10) / 1e3
+    assert got[2] == pytest.approx(160 * s1_other + 0.5 * 400 * (s1_other - s0)) and got[0] < got[2]
