@@ -48,15 +48,16 @@ class Snapshot:
         self.now = now
         self._state = state
         self.candidates: list[Candidate] = []
-        loads, metrics, capacity = state.load.workers, state.metrics, state.cache_tokens
-        max_age, index_state = state.metrics_max_age_s, state.index_state
+        loads, metrics, capacity, feeds = state.load.workers, state.metrics, state.cache_tokens, state.feeder.feeds
+        max_age, index_state, add = state.metrics_max_age_s, state.index_state_of, self.candidates.append
         for wid, ep in state.endpoints.items():
             load = loads.get(wid)
             m = metrics.get(wid)
-            st = index_state(wid, now)
-            self.candidates.append(Candidate(
-                wid, state=st, prefix_credit=st == "synced", inflight=load.requests if load else 0, endpoint=ep,
-                load=load, metrics=m.fresh(now, max_age) if m else None, capacity_tokens=capacity.get(wid)))
+            st = index_state(wid, ep, feeds.get(wid), now)
+            # positional (the CandidateReport fields, then the live facts): a decision builds one per worker
+            add(Candidate(wid, None, st, st == "synced", 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+                          load.requests if load else 0, ep, load,
+                          m.fresh(now, max_age) if m else None, capacity.get(wid)))
         self.eligible: list[Candidate] = self.candidates
         self._matched: dict[str, PrefixMatch | None] | None = None
         self._best_held = 0

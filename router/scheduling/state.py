@@ -9,7 +9,7 @@ it through the methods here; the scheduler reads it through a per-decision ``Sna
 
 from __future__ import annotations
 
-from router.events.feed import IndexFeeder
+from router.events.feed import IndexFeeder, WorkerFeed
 from router.index import KvIndex, Medium
 from router.index.speculative import SpeculativePrefixes
 from router.load import EngineMetrics, LoadTracker
@@ -110,16 +110,19 @@ class FleetState:
         after failing to answer, until its next batch shows whether it restarted. It turns stale when it has
         been taking requests for ``stale_after_s`` without publishing a single event.
         """
-        ep = self.endpoints.get(worker_id)
+        return self.index_state_of(worker_id, self.endpoints.get(worker_id), self.feeder.feeds.get(worker_id), now)
+
+    def index_state_of(self, worker_id: str, ep: Endpoint | None, feed: WorkerFeed | None, now: float) -> str:
+        """``index_state`` with the endpoint and feed already looked up (once per candidate per decision)."""
         if ep is not None and not ep.events:
             return "no-events"
-        feed = self.feeder.feeds.get(worker_id)
         if feed is not None and not feed.synced:
             return "unsynced"
         if feed is not None and feed.suspect_since is not None:
             return "unverified"
         since = self.awaiting_events_since.get(worker_id)
-        if since is not None and not self._heard_since(worker_id, since) and now - since > self.stale_after_s:
+        if since is not None and now - since > self.stale_after_s and not (
+                feed is not None and feed.last_event_at is not None and feed.last_event_at >= since):
             return "stale"
         return "synced"
 
