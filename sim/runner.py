@@ -229,7 +229,7 @@ class Simulation:
         except ValueError as e:
             # what a real engine (and workers.sim) answers with a 400: the router sees the request end at once
             rec.outcome, rec.error = "rejected", str(e)
-            self.core.completed(r.request_id, now)
+            self.core.completed(r.request_id, now, served=False)
             return False
         if not self.busy[w]:
             self._start_step(w, now)

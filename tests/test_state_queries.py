@@ -155,3 +155,17 @@ def test_a_worker_reporting_far_fewer_cached_tokens_than_promised_loses_credit()
     assert core.index_state("w0", 0.3) == "synced"
     handle.observed_cached(0, 0.3)  # the worker had none of it: the index is wrong there
     assert core.index_state("w0", 0.4) == "unverified" and credit_of(core, tokens, "w0", 0.4) == 0
+
+
+def test_a_refused_request_owes_no_events_and_leaves_no_speculative_credit():
+    core = core_with(2)
+    tokens = list(range(20 * BS))
+    d = core.decide(route(tokens, "a"), 0.0)
+    core.dispatch(route(tokens, "a"), d, "w0", 0.0).complete(0.1, served=False)  # the worker answered 400
+    assert core.state.speculative.match(route(tokens).keys, 0.2) == {}
+    assert "w0" not in core.state.awaiting_events_since
+    assert core.index_state("w0", 0.1 + core.config.stale_after_s + 1) == "synced"  # not stale: nothing was owed
+    served = core.dispatch(route(tokens, "b"), core.decide(route(tokens, "b"), 1.0), "w0", 1.0)
+    served.complete(1.1)  # a served request keeps both: events are owed, the prefix is on its way
+    assert core.state.speculative.match(route(tokens).keys, 1.2) == {"w0": 20}
+    assert core.index_state("w0", 1.0 + core.config.stale_after_s + 1) == "stale"

@@ -321,7 +321,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         now = time.monotonic()
         if not st.streamed:
             handle.first_token(now, learn=False)
-        handle.complete(now)
+        handle.complete(now, served=st.status.startswith(("1", "2", "3")))  # a refusal computed nothing
         self.metrics.requests.labels(st.status).inc()
         if st.status != "200":
             return

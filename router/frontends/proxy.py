@@ -315,7 +315,7 @@ class ProxyServer:
             return _Answer(502, wid, message=f"worker {wid} failed: {e!r}")
         now = time.monotonic()
         handle.first_token(now, learn=False)
-        handle.complete(now)
+        handle.complete(now, served=upstream.status < 400)
         upstream.release()
         try:
             body = json.loads(data)
@@ -404,7 +404,7 @@ class ProxyServer:
         if not streamed:
             handle.first_token(now, learn=False)  # only a stream tells when the first token came
             self.metrics.ttft.observe(now - started)
-        handle.complete(now)
+        handle.complete(now, served=upstream.status < 400)
         upstream.release()
         self.metrics.requests.labels(str(upstream.status)).inc()
         if upstream.status == 200:

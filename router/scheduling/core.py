@@ -192,7 +192,7 @@ class RoutingCore:
         if d is not None:
             d.first_token(now, learn)
 
-    def completed(self, request_id: str, now: float) -> None:
+    def completed(self, request_id: str, now: float, served: bool = True) -> None:
         d = self.dispatches.get(request_id)
         if d is not None:
-            d.complete(now)
+            d.complete(now, served)

@@ -71,9 +71,13 @@ class Dispatch:
         if cached_tokens + self.request.block_size < self.expected_hit_tokens:
             self.state.worker_failed(self.worker_id, now)
 
-    def complete(self, now: float) -> None:
-        """Served (whatever the status): the accounting ends, what was recorded stays true."""
+    def complete(self, now: float, served: bool = True) -> None:
+        """Answered. ``served``: the worker computed it (a 2xx, or a stream cut part way), so what was recorded
+        stays true; a refusal (4xx/5xx) computed nothing: as ``fail``, the records are taken back."""
         if self.ended:
+            return
+        if not served:
+            self.fail(now)
             return
         self.state.load.complete(self.request.request_id, now)
         self._end()
@@ -97,9 +101,8 @@ class Dispatch:
             uncached, predicted = req.prompt_tokens, None
         state.load.dispatch(req.request_id, worker_id, req.prompt_tokens, uncached, req.max_tokens, now, predicted,
                             req.keys, req.block_size)
-        state.note_dispatch(worker_id, now)
-        undo = state.speculative.record(worker_id, req.keys, now)
-        self._undo = [undo] if undo else []
+        recorded = (state.note_dispatch(worker_id, now), state.speculative.record(worker_id, req.keys, now))
+        self._undo = [u for u in recorded if u is not None]
         for p in self.plugins:
             u = p.on_dispatch(req, worker_id, now)
             if u is not None:

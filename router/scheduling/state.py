@@ -9,6 +9,8 @@ it through the methods here; the scheduler reads it through a per-decision ``Sna
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from router.events.feed import IndexFeeder, WorkerFeed
 from router.index import KvIndex, Medium
 from router.index.speculative import SpeculativePrefixes
@@ -86,11 +88,22 @@ class FleetState:
         self.feeder.suspend(worker_id, now)
         self.speculative.forget_worker(worker_id)
 
-    def note_dispatch(self, worker_id: str, now: float) -> None:
-        """Start the staleness clock at the first dispatch not yet followed by events from the worker."""
+    def note_dispatch(self, worker_id: str, now: float) -> Callable[[], None] | None:
+        """Start the staleness clock at the first dispatch not yet followed by events from the worker; returns how
+        to take that back (the worker refused the request: nothing was computed, no event is owed)."""
         since = self.awaiting_events_since.get(worker_id)
-        if since is None or self._heard_since(worker_id, since):
-            self.awaiting_events_since[worker_id] = now
+        if since is not None and not self._heard_since(worker_id, since):
+            return None
+        self.awaiting_events_since[worker_id] = now
+
+        def undo() -> None:
+            if self.awaiting_events_since.get(worker_id) == now:
+                if since is None:
+                    del self.awaiting_events_since[worker_id]
+                else:
+                    self.awaiting_events_since[worker_id] = since
+
+        return undo
 
     # ---- queries -----------------------------------------------------------------------------
     def resident_tokens(self, worker_id: str) -> int:
