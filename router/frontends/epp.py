@@ -253,14 +253,13 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 self.metrics.requests.labels(str(e.status)).inc()
                 return [_immediate(e.status, str(e))]
             body = parsed.raw
-            lora = parsed.model if parsed.model and self._is_lora(parsed.model) else None
+            lora = self.core.lora_of(parsed.model)
             rreq = await self.parser.route_request(parsed, uuid.uuid4().hex, self.block_size, lora=lora,
                                                    session=st.headers.get(self.session_header), subset=st.subset)
             st.streamed = parsed.stream
         decision = self.core.decide(rreq, time.monotonic())
         self.metrics.decision_seconds.observe(time.monotonic() - st.started)
-        credited = any(c.prefix_credit for c in decision.candidates if not c.filtered)
-        self.metrics.decisions.labels(decision.policy, decision.outcome, str(credited).lower()).inc()
+        self.metrics.count_decision(decision)
         if decision.outcome != "routed":
             st.refused = True
             return [self._refusal(decision)]
@@ -279,9 +278,6 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
                     body=chunk, end_of_stream=i == len(chunks) - 1))))))
         return out
-
-    def _is_lora(self, model: str) -> bool:
-        return any(model in ep.loras for ep in self.core.endpoints.values())
 
     def _addresses(self, decision: Decision) -> list[str]:
         ids = decision.ranked[: 1 + self.fallbacks]

@@ -11,6 +11,7 @@ from router.frontends.diagnosis import PROBLEMS
 
 if TYPE_CHECKING:
     from router.frontends.fleet import Fleet
+    from router.scheduling import Decision
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -90,3 +91,8 @@ class RouterMetrics:
         self.decision_seconds = Histogram("kvrouter_decision_seconds", "Time to parse, tokenize and decide.",
                                           buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1),
                                           registry=r)
+
+    def count_decision(self, decision: Decision) -> None:
+        """One routing decision, by policy, outcome and whether any candidate could be credited a prefix."""
+        credited = any(c.prefix_credit for c in decision.candidates if not c.filtered)
+        self.decisions.labels(decision.policy, decision.outcome, str(credited).lower()).inc()

@@ -141,14 +141,20 @@ class ProxyServer:
         return load_tokenizer(path)
 
     # ---- the request path ------------------------------------------------------------------------
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        started = time.monotonic()
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        """The whole body, or the 413 answer when it is over ``max_body_bytes``."""
         try:
-            raw = await request.read()
+            return await request.read()
         except web.HTTPRequestEntityTooLarge:
             self.metrics.requests.labels("413").inc()
             return error(413, f"request body over the {self.config.max_body_bytes}-byte limit",
                          "RequestEntityTooLarge")
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        started = time.monotonic()
+        raw = await self._read_body(request)
+        if isinstance(raw, web.Response):
+            return raw
         try:
             salt = salt_rule(request.headers, self.config.tenant_header, self.config.tenant_missing)
             parsed = await self.parser.parse(raw, request.path, salt, self.fleet.max_model_len())
@@ -158,7 +164,7 @@ class ProxyServer:
         if parsed.batch and parsed.kind == "completions" and not parsed.stream:
             return await self._generate_batch(request, parsed, salt, started)
         rid = uuid.uuid4().hex  # ours: a client's x-request-id is forwarded, never used as a key
-        lora = parsed.model if parsed.model and self._is_lora(parsed.model) else None
+        lora = self.core.lora_of(parsed.model)
         rreq = await self.parser.route_request(parsed, rid, self.config.routing.block_size, lora=lora,
                                                session=request.headers.get(self.config.session_header))
         decision = self._decide(rreq, request, started)
@@ -171,8 +177,7 @@ class ProxyServer:
                 batch_index: int | None = None) -> Decision:
         decision = self.core.decide(rreq, time.monotonic())
         self.metrics.decision_seconds.observe(time.monotonic() - started)
-        credited = any(c.prefix_credit for c in decision.candidates if not c.filtered)
-        self.metrics.decisions.labels(decision.policy, decision.outcome, str(credited).lower()).inc()
+        self.metrics.count_decision(decision)
         self._log_decision(rreq.request_id, request.headers.get("x-request-id"), rreq.prompt_tokens, decision,
                            batch_index)
         return decision
@@ -243,7 +248,7 @@ class ProxyServer:
         retries; the answers merged in prompt order. Any prompt refused at its decision refuses the batch
         before anything is sent."""
         subs = parsed.split()
-        lora = parsed.model if parsed.model and self._is_lora(parsed.model) else None
+        lora = self.core.lora_of(parsed.model)
         session = request.headers.get(self.config.session_header)
         plans: list[tuple[ParsedRequest, RouteRequest, Decision, Dispatch]] = []
         try:
@@ -338,12 +343,9 @@ class ProxyServer:
 
     # ---- /tokenize, /detokenize: the router's own tokenizer, no worker -------------------------------
     async def tokenize(self, request: web.Request) -> web.Response:
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            self.metrics.requests.labels("413").inc()
-            return error(413, f"request body over the {self.config.max_body_bytes}-byte limit",
-                         "RequestEntityTooLarge")
+        raw = await self._read_body(request)
+        if isinstance(raw, web.Response):
+            return raw
         try:
             answer = await self.parser.tokenizer_path(raw, request.path, self.fleet.max_model_len())
         except BadRequest as e:
@@ -427,9 +429,6 @@ class ProxyServer:
                 await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
         if request.transport is not None:
             request.transport.close()  # flushes what was written, then closes: chunked encoding left unfinished
-
-    def _is_lora(self, model: str) -> bool:
-        return any(model in ep.loras for ep in self.core.endpoints.values())
 
     def _log_decision(self, rid: str, client_rid: str | None, prompt_tokens: int, decision: Decision,
                       batch_index: int | None = None) -> None:

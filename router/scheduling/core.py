@@ -113,6 +113,9 @@ class RoutingCore:
     def set_draining(self, worker_id: str, draining: bool) -> bool:
         return self.state.set_draining(worker_id, draining)
 
+    def lora_of(self, model: str | None) -> str | None:
+        return self.state.lora_of(model)
+
     def resident_tokens(self, worker_id: str) -> int:
         return self.state.resident_tokens(worker_id)
 

@@ -106,6 +106,12 @@ class FleetState:
         return undo
 
     # ---- queries -----------------------------------------------------------------------------
+    def lora_of(self, model: str | None) -> str | None:
+        """``model`` when some worker serves it as a LoRA adapter (requests for it then key on the adapter)."""
+        if model and any(model in ep.loras for ep in self.endpoints.values()):
+            return model
+        return None
+
     def resident_tokens(self, worker_id: str) -> int:
         """What the worker's GPU cache holds, by the index."""
         return self.index.blocks_held_on(worker_id, Medium.GPU) * self.block_size
