@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "pip install 'kvrouter[charts]'")
     p.add_argument("--quick", action="store_true", help="--suite: every scenario at a fraction of its size (CI)")
     p.add_argument("--scenarios", default=None, help="--suite: only these scenarios (comma-separated)")
+    p.add_argument("--cost", action="append", default=[], metavar="KEY=VALUE",
+                   help="--suite: the router's cost parameter for every profile (repeatable; e.g. kv_load_weight=0.25)")
 
 
 def run(args: argparse.Namespace) -> int:

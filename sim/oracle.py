@@ -1,11 +1,11 @@
 """``oracle``: the precise profile's objective evaluated on the engines' true state. Simulator only.
 
-The ``latency-cost`` scorer (the ``precise`` profile) prices each candidate with ``CostModel.estimate``: own
-TTFT (queue + uncached prefill + load-back + decode term + memory wait) plus the weighted interference,
-compute and eviction terms, from what the router knows: an event-fed index, its own in-flight accounting,
-scraped metrics, a learned per-worker factor. The ``sim-oracle-cost`` scorer calls the same
-``CostModel.estimate`` with the same weights, on what each engine model really holds at the instant of the
-decision, with no event delay and nothing estimated from what was sent:
+The ``latency-cost`` scorer (the ``precise`` profile) prices each candidate with ``CostModel.estimate`` (the
+routing objective: own TTFT and decode, the stall and slowdown it brings to the requests there, the expected
+re-prefill of what it evicts) from what the router knows: an event-fed index, its own in-flight accounting,
+scraped metrics, each worker's fitted engine profile. The ``sim-oracle-cost`` scorer calls the same
+``CostModel.estimate`` on what each engine model really holds at the instant of the decision, with no event
+delay and nothing estimated from what was sent:
 
 - prefix hit: the engine's own lookup for this prompt, ``EngineModel._hashes_upto`` (on a probe request, so
   the real one is untouched) then ``BlockPool.lookup`` (pure), exactly what ``EngineModel._admit`` will find
@@ -14,14 +14,16 @@ decision, with no event delay and nothing estimated from what was sent:
   profile's speculative prefixes approximate;
 - queue: the engine's waiting and running requests' real remaining prefill tokens (a waiting request's own
   true hit taken off, with the blocks other requests in flight there share);
-- decode term and interference: the engine's running requests (what precise reads from
-  ``vllm:num_requests_running`` when it is fresh, here exact at the instant);
-- eviction: the engine's real resident blocks and capacity;
+- running requests, KV in use and the output they still have to generate: exact at the instant;
+- the blocks this request adds to those in use: its prompt and output blocks but the hits that running
+  requests already hold;
+- eviction: the engine's real resident blocks and capacity (the reuse probability is the router's: it is a
+  property of the workload, which no engine knows);
 - memory wait: blocks free in the pool now, less what the requests there still need to reach their last
   token; when this request does not fit, until enough running requests finish (at the engine's true decode
   step time), each freeing the blocks only it holds;
-- engine costs: each engine's own timing model (a half-speed worker is known to be one), not a learned
-  factor: the cost parameters' prefill and load-back coefficients come from ``EngineConfig.timing``.
+- engine costs: each engine's own timing model and step budget (a half-speed worker is known to be one),
+  nothing learned.
 
 The simulation hands the scorer its engines (``attach_simulation``) and, per decision, the prompt being
 decided (``Simulation.deciding``). The distance from ``precise`` to ``oracle`` is the price of what the live
@@ -39,14 +41,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from router.index import PrefixMatch
-from router.load import WorkerLoad
+from router.load import EngineMetrics, WorkerLoad
 from router.scheduling.core import RoutingConfig
 from router.scheduling.cost import CostModel, CostParams
+from router.scheduling.engine_profile import StepTiming
 from router.scheduling.plugins.base import Scorer
 from router.scheduling.plugins.registry import REGISTRY, register
 from router.scheduling.profiles import DEFAULT_FILTERS, parse_scheduling
 from router.scheduling.snapshot import Candidate, Snapshot
-from workers.engine import EngineConfig, EngineModel, EngineRequest, TimingModel
+from workers.engine import EngineConfig, EngineModel, EngineRequest
 
 if TYPE_CHECKING:
     from sim.runner import Simulation
@@ -76,9 +79,12 @@ class TrueView:
     gpu_blocks: int  # prompt blocks hit on GPU (with what requests ahead will have computed)
     cpu_blocks: int  # further blocks in the CPU tier
     load: WorkerLoad  # requests, real remaining prefill tokens, requests decoding
+    metrics: EngineMetrics  # its running count and KV in use, exact at the instant
     resident_tokens: int
     capacity_tokens: int
     memory_wait_s: float
+    new_blocks: int  # the blocks this request adds to those in use there
+    remaining_tokens: int  # output the requests running there have still to generate
 
 
 class _Inflight:
@@ -91,15 +97,11 @@ class _Inflight:
 
 
 def cost_params_for(engine: EngineConfig, base: CostParams) -> CostParams:
-    """``base`` (its weights) with the engine's true costs: prefill and load-back from its timing model, the
-    step token budget from its scheduler, the per-decode term scaled as its decode step."""
+    """``base`` with the engine's true costs: its timing model (prefill, decode, load-back) and its scheduler's
+    step token budget, nothing learned."""
     t = engine.timing
-    decode_ratio = t.decode_ms(0.5) / max(TimingModel().decode_ms(0.5), 1e-12)
-    return dataclasses.replace(
-        base, prefill_s_per_token=t.prefill_b / 1000, prefill_s_per_token_sq=t.prefill_a / 1000,
-        prefill_step_s=t.prefill_c / 1000, step_token_budget=engine.max_num_batched_tokens,
-        load_back_s_per_token=t.load_back_ms_per_token / 1000,
-        decode_s_per_running=base.decode_s_per_running * decode_ratio, learn_rate=0.0)
+    return dataclasses.replace(base, **{f.name: getattr(t, f.name) for f in dataclasses.fields(StepTiming)},
+                               step_token_budget=engine.max_num_batched_tokens, learn=False)
 
 
 class OracleCost(Scorer):
@@ -131,16 +133,16 @@ class OracleCost(Scorer):
         bs = req.block_size
         hashes = self.prompt_hashes(r.request_id, tokens, r.output_len)
         views = [self.true_view(c.worker_id, hashes, len(tokens), r.output_len) for c in cands]
-        best_held = max((v.gpu_blocks + v.cpu_blocks for v in views), default=0)
         out = []
         for c, v in zip(cands, views, strict=True):
             cost = self._cost(c.worker_id, snap.costs.params)
-            held = v.gpu_blocks + v.cpu_blocks
-            est = cost.estimate(c.worker_id, len(tokens), bs, PrefixMatch(v.gpu_blocks, v.cpu_blocks), v.load, None,
-                                (best_held - held) * bs, v.resident_tokens, v.capacity_tokens, v.memory_wait_s)
+            est = cost.estimate(c.worker_id, len(tokens), bs, PrefixMatch(v.gpu_blocks, v.cpu_blocks), v.load,
+                                v.metrics, max_tokens=r.output_len, new_blocks=v.new_blocks,
+                                resident_tokens=v.resident_tokens, capacity_tokens=v.capacity_tokens,
+                                memory_wait_s=v.memory_wait_s, reuse=snap.reuse, remaining_tokens=v.remaining_tokens)
             c.matched_gpu, c.matched_cpu, c.matched_storage, c.speculative = v.gpu_blocks, v.cpu_blocks, 0, 0
             c.queue_s, c.prefill_s, c.decode_s, c.ttft_s = est.queue_s, est.prefill_s, est.decode_s, est.ttft_s
-            c.interference_s, c.eviction_s = est.interference_s, est.eviction_s
+            c.interference_s, c.eviction_s, c.step_s = est.interference_s, est.eviction_s, est.step_s
             out.append(est.score)
         return out
 
@@ -199,7 +201,12 @@ class OracleCost(Scorer):
         need = -(-(prompt_tokens + (max_tokens if footprint else 0)) // bs) - gpu
         room = pool.num_free - ahead
         wait = 0.0 if need <= room else self._release_wait(engine, need - room, footprint)
-        return TrueView(gpu, cpu_hits, load, len(pool.cached) * bs, pool.num_blocks * bs, wait)
+        remaining = sum(q.max_tokens - len(q.output) for q in engine.running)
+        metrics = EngineMetrics(None, len(engine.running), pool.usage, 0.0)
+        in_use = sum(1 for b in gpu_ids if pool.blocks[b].ref_cnt > 0)  # hits shared with requests running there
+        new_blocks = max(0, -(-(prompt_tokens + max_tokens) // bs) - in_use)
+        return TrueView(gpu, cpu_hits, load, metrics, len(pool.cached) * bs, pool.num_blocks * bs, wait, new_blocks,
+                        remaining)
 
     def _release_wait(self, engine: EngineModel, blocks: int, footprint: bool) -> float:
         """Until running requests finish (at the engine's decode step now) and free ``blocks``: each frees the

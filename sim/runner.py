@@ -267,7 +267,7 @@ class Simulation:
                 self.core.first_token(rec.request_id, now)
             if out.finished:
                 rec.finished_at = now
-                self.core.completed(rec.request_id, now)
+                self.core.completed(rec.request_id, now, output_tokens=rec.output_tokens)
                 finished.append(rec)
         if result.events:
             self._publish(w, result.events, now)

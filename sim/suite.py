@@ -25,8 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from router.scheduling import CostParams, RoutingConfig
 from router.scheduling import profiles as _profiles
-from sim.oracle import ORACLE
+from sim.oracle import ORACLE, oracle_routing
 from sim.runner import EventFaults, SimConfig, SimResult, Simulation, summarise
 from sim.workload import (
     SimRequest,
@@ -189,7 +192,8 @@ def suite_profiles() -> list[str]:
 
 # ---- running ---------------------------------------------------------------------------------------------
 def run_scenario(scenario: Scenario, policies: Sequence[str], quick: bool = False, trace: Path = TRACE,
-                 seed: int = 0, keep: dict[str, SimResult] | None = None) -> dict[str, Any]:
+                 seed: int = 0, keep: dict[str, SimResult] | None = None,
+                 cost: CostParams | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     setup = scenario.build(quick, trace)
     bound, working = cache_bound(setup.requests, setup.engine.block_size)
@@ -201,8 +205,13 @@ def run_scenario(scenario: Scenario, policies: Sequence[str], quick: bool = Fals
     }
     results: dict[str, Any] = {}
     for name in policies:
+        routing = None
+        if cost is not None:  # the router's cost parameters for every profile (the oracle's weights too)
+            routing = RoutingConfig(policy=name, block_size=setup.engine.block_size, seed=seed, cost=cost)
+            if name == ORACLE:
+                routing = oracle_routing(setup.engine.block_size, seed, routing)
         cfg = SimConfig(workers=setup.workers, policy=name, engine=setup.engine, engines=setup.engines,
-                        faults=setup.faults, seed=seed, restart_busiest_at=setup.restart_busiest_at)
+                        faults=setup.faults, seed=seed, restart_busiest_at=setup.restart_busiest_at, routing=routing)
         res = Simulation(setup.requests, cfg).run()
         s = summarise(res)
         results[name] = {k: s[k] for k in SUMMARY_KEYS}
@@ -215,7 +224,7 @@ def run_scenario(scenario: Scenario, policies: Sequence[str], quick: bool = Fals
 
 def run_suite(suite: str = "standard", quick: bool = False, trace: Path = TRACE, policies: Sequence[str] | None = None,
               scenarios: Sequence[str] | None = None, plots_dir: str | Path | None = None,
-              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+              progress: Callable[[str], None] | None = None, cost: CostParams | None = None) -> dict[str, Any]:
     policies = list(policies or suite_profiles())
     names = list(scenarios or SUITES[suite])
     started = time.perf_counter()
@@ -228,7 +237,7 @@ def run_suite(suite: str = "standard", quick: bool = False, trace: Path = TRACE,
                                       "bound_hit_rate": None}
             continue
         keep: dict[str, SimResult] | None = {} if plots_dir else None
-        out["scenarios"][name] = run_scenario(sc, policies, quick, Path(trace), keep=keep)
+        out["scenarios"][name] = run_scenario(sc, policies, quick, Path(trace), keep=keep, cost=cost)
         if plots_dir and keep:
             from sim.report import scenario_plot
 
@@ -293,7 +302,16 @@ def main_suite(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    result = run_suite(args.suite, args.quick, trace, policies, scenarios, args.plots, progress)
+    cost = None
+    if args.cost:
+        try:
+            cost = CostParams.from_dict({k: yaml.safe_load(v) for k, _, v in (c.partition("=") for c in args.cost)})
+        except (ValueError, TypeError) as exc:
+            print(f"kvrouter sim: --cost: {exc}", file=sys.stderr)
+            return 2
+    result = run_suite(args.suite, args.quick, trace, policies, scenarios, args.plots, progress, cost)
+    if cost is not None:
+        result["cost"] = dataclasses.asdict(cost)
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
     else:

@@ -5,8 +5,10 @@ a small fleet: KV events for what each chosen worker caches, dispatches, first t
 engine metrics with capacity, a draining worker, an unhealthy one, subset hints, a LoRA and a second model.
 It uses only the core's public surface (endpoints, feed, metrics, decide and the request lifecycle), so the
 same stream replayed through a rebuilt core must rank every request the same way. The recording in
-``tests/data/golden_decisions.json`` was made by the core before the plugin framework
-(``python -m tests.golden_scenarios --record``).
+``tests/data/golden_decisions.json`` was made by the core before the plugin framework, and re-made
+(``python -m tests.golden_scenarios --record``) when decisions changed on purpose: the routing objective and
+engine metrics brought up to date by the router's own accounting (issue 15) changed ``precise``,
+``least_loaded`` and ``approx_prefix``; the other three are the original recording.
 """
 
 from __future__ import annotations

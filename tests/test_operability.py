@@ -168,13 +168,13 @@ def test_environment_sits_between_the_file_and_the_options(monkeypatch, tmp_path
 
 
 def test_environment_nested_keys_types_and_case():
-    env = {"KVROUTER_ROUTING__COST__LEARN_RATE": "0", "KVROUTER_KUBERNETES__EVENTS_BY_DEFAULT": "false",
+    env = {"KVROUTER_ROUTING__COST__LEARN": "false", "KVROUTER_KUBERNETES__EVENTS_BY_DEFAULT": "false",
            "KVROUTER_MAX_MODEL_LEN": "null", "kvrouter_admin__host": "0.0.0.0", "KVROUTER_TENANT_HEADER": "x-tenant",
            "KVROUTER_ROUTING__MAX_INFLIGHT_TOKENS": "~", "KVROUTER_ROUTING__STALE_AFTER_S": "2.5",
            "KVROUTER_TOKENIZERS": "{llama: /models/llama}", "KVROUTER_WORKERS": "[{url: 'http://10.0.0.1:8000', "
            "events: 'tcp://10.0.0.1:5557'}]", "KVROUTER_EVENTS_BIND": "tcp://*:5557"}
     cfg = load_config(None, environ=env)
-    assert cfg.routing.cost.learn_rate == 0.0 and cfg.kubernetes.events_by_default is False
+    assert cfg.routing.cost.learn is False and cfg.kubernetes.events_by_default is False
     assert cfg.max_model_len is None and cfg.routing.max_inflight_tokens is None
     assert cfg.admin.host == "0.0.0.0" and cfg.tenant_header == "x-tenant" and cfg.routing.stale_after_s == 2.5
     assert cfg.tokenizers == {"llama": "/models/llama"} and cfg.events_bind == "tcp://*:5557"

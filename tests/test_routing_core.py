@@ -36,9 +36,16 @@ def request(tokens: list[int], rid: str = "r", **kw) -> RouteRequest:
 
 # ---- cost model -------------------------------------------------------------------------------------
 
+def linear(prefill_ms_per_token: float = 0.1, step_ms: float = 0.0, decode_ms: float = 0.0,
+           decode_ms_per_p: float = 0.0, **kw) -> CostParams:
+    """Hand-computable engine timing: prefill ``step_ms + T x prefill_ms_per_token``, decode step ``decode_ms +
+    p x decode_ms_per_p``; nothing learned."""
+    return CostParams(prefill_a=0.0, prefill_b=prefill_ms_per_token, prefill_c=step_ms, decode_a=0.0,
+                      decode_b=decode_ms_per_p, decode_c=decode_ms, learn=False, **kw)
+
+
 def test_cost_model_hand_computed():
-    p = CostParams(prefill_s_per_token=1e-4, prefill_s_per_token_sq=0.0, prefill_step_s=0.01,
-                   load_back_s_per_token=1e-5, storage_s_per_token=1e-4, decode_s_per_running=1e-3, learn_rate=0)
+    p = linear(0.1, step_ms=10.0, decode_ms=1.0, load_back_ms_per_token=0.01, storage_ms_per_token=0.1)
     cm = CostModel(p)
     # 1000-token prompt, nothing cached, idle: 0.01 + 0.1
     assert cm.estimate("a", 1000, 16, None, None, None).ttft_s == pytest.approx(0.11)
@@ -49,24 +56,56 @@ def test_cost_model_hand_computed():
     # queue: 5000 pending prefill tokens batch with this request's 1000 (one 8192-token step): the wait is
     # their per-token cost, the step overhead is shared
     load = WorkerLoad(requests=7, pending_prefill_tokens=5000, decoding=4)
-    est = cm.estimate("a", 1000, 16, None, load, None)
+    est = cm.estimate("a", 1000, 16, None, load, None, max_tokens=10)
     assert est.queue_s == pytest.approx(5000e-4)
-    assert est.decode_s == pytest.approx(4e-3)
+    assert est.decode_s == pytest.approx(10 * 1e-3)  # its 10 decode steps of 1 ms
+    # its 0.11 s prefill step replaces one 1 ms decode step of each of the 4 running requests
+    assert est.interference_s == pytest.approx(4 * (0.11 - 0.001))
     # past the step budget, pending work takes steps of its own: 20000 + 1000 tokens = 3 steps
     est = cm.estimate("a", 1000, 16, None, WorkerLoad(requests=3, pending_prefill_tokens=20000), None)
     assert est.queue_s == pytest.approx(2 * 0.01 + 20000e-4)
     # engine metrics say more is waiting than we sent (another router): the excess counts
     est = cm.estimate("a", 1000, 16, None, None, EngineMetrics(waiting=2, running=9, kv_usage=0.5, scraped_at=0))
     assert est.queue_s == pytest.approx(2 * p.waiting_prompt_tokens * 1e-4)  # 5096 tokens: one step
-    assert est.decode_s == pytest.approx(9e-3)
     # a full hit still prefills the last token
     assert cm.estimate("a", 32, 16, PrefixMatch(gpu=2), None, None).uncached_tokens == 1
 
 
+def test_a_prefill_step_lasts_at_least_the_decode_step_beside_it():
+    """The engine runs prefill and decode in one step of max(prefill, decode): a short prefill on a worker whose
+    decodes are slow waits a whole decode step, and costs the decodes nothing."""
+    cm = CostModel(linear(0.1, decode_ms=50.0))
+    est = cm.estimate("a", 100, 16, None, WorkerLoad(requests=3, decoding=3), None)
+    assert est.prefill_s == pytest.approx(0.05)  # its 10 ms of prefill inside a 50 ms decode step
+    assert est.interference_s == 0.0
+
+
+def test_kv_load_prices_its_own_decode_and_the_slowdown_it_brings_to_the_others():
+    """decode step = 10 ms + 100 ms x p (p: KV fraction in use). A 100-block cache, 40 blocks held by 2 requests
+    with 100 tokens of output each (half, 50, still to come on average); this request adds 20 blocks and
+    generates 40 tokens. It decodes beside the others for min(1, 50/40) of its steps: at p = (40 + 20)/100,
+    70 ms a step; its 20 blocks make every step of the others 100 ms x 0.2 = 20 ms longer (50 -> 70 ms), over
+    their 2 x 50 = 100 remaining tokens, but only while it runs: at most 2 x 40 of them. Its 10 ms prefill runs
+    inside one 50 ms decode step: it stalls no one."""
+    cm = CostModel(linear(0.1, decode_ms=10.0, decode_ms_per_p=100.0))
+    tracker = LoadTracker()
+    for i in range(2):
+        keys = request_keys(list(range(i * 10_000, i * 10_000 + 320)), BS)  # 20 blocks, 0 tail (max_tokens 0)
+        tracker.dispatch(f"r{i}", "a", 320, 0, 100, now=0.0, keys=keys, block_size=BS)
+        tracker.first_token(f"r{i}", now=0.0)
+    load = tracker.load("a")
+    load.tail_blocks = 0  # hold exactly the 40 prompt blocks (their output blocks are not counted here)
+    assert load.active_blocks == 40
+    est = cm.estimate("a", 100, BS, None, load, None, max_tokens=40, new_blocks=20, capacity_tokens=100 * BS)
+    assert est.step_s == pytest.approx(0.070)
+    assert est.decode_s == pytest.approx(40 * 0.070)
+    assert est.prefill_s == pytest.approx(0.050)
+    assert est.interference_s == pytest.approx(80 * (0.070 - 0.050))
+
+
 def test_the_trap_a_long_hit_behind_a_3s_queue_loses_to_an_idle_cold_worker():
     """Worker A holds the whole prefix but has 3 s of queued prefill; the hit saves only 0.8 s."""
-    p = CostParams(prefill_s_per_token=1e-4, prefill_s_per_token_sq=0.0, prefill_step_s=0.0, learn_rate=0)
-    core = RoutingCore(RoutingConfig(block_size=BS, cost=p, seed=0))
+    core = RoutingCore(RoutingConfig(block_size=BS, cost=linear(0.1), seed=0))
     core.upsert_endpoint(Endpoint("holder", "10.0.0.1:1"))
     core.upsert_endpoint(Endpoint("idle", "10.0.0.2:1"))
     prompt = list(range(8001))  # an 8000-token hit (500 blocks) saves 0.8 s at 1e-4 s/token
@@ -82,112 +121,142 @@ def test_the_trap_a_long_hit_behind_a_3s_queue_loses_to_an_idle_cold_worker():
     assert core.decide(request(prompt, "r2"), now=0.3).chosen == "holder"
 
 
-
-def test_a_second_copy_into_a_full_cache_pays_for_what_it_pushes_out():
-    """A holder with a short queue vs an idle worker: a near tie that a full fleet cache tips to the holder."""
-    p = CostParams(prefill_s_per_token=1e-4, prefill_s_per_token_sq=0.0, prefill_step_s=0.0, learn_rate=0,
-                   compute_weight=1.0, eviction_weight=1.0, decode_s_per_running=0.0)
-    core = RoutingCore(RoutingConfig(block_size=BS, cost=p, seed=0, speculative_ttl_s=0))
+def test_the_holders_decode_batch_makes_a_second_copy_of_a_hot_prefix_worth_its_prefill():
+    """A hot 8K-token prefix: its holder runs 20 requests that share it (KV 55% of 2,000 blocks in use, so every
+    decode step there takes 10 + 100 x 0.55 ms); an idle worker would prefill the 8,192 tokens (0.82 s at 0.1
+    ms a token) but decode 100 tokens at 10 + 100 x 0.26 ms: 2.9 s less, the copy wins."""
+    core = RoutingCore(RoutingConfig(block_size=BS, cost=linear(0.1, decode_ms=10.0, decode_ms_per_p=100.0),
+                                     seed=0, speculative_ttl_s=0))
     for w in ("holder", "idle"):
         core.upsert_endpoint(Endpoint(w, f"10.0.0.{len(core.endpoints)}:1"))
-    prompt = list(range(1601))  # 100 blocks held: a cold copy costs 0.16 s, its compute 0.16 s more
+        core.update_metrics(w, EngineMetrics(None, None, None, scraped_at=0.0, cache_tokens=2000 * BS))
+    prefix = list(range(8192))  # 512 blocks
+    feed_prefix(core, "holder", prefix, now=0.0)
+    for i in range(20):  # each: the prefix + 4 blocks of its own, and 400 tokens (25 blocks) of output
+        own = prefix + list(range(100_000 + i * 1000, 100_000 + i * 1000 + 64))
+        core.load.dispatch(f"run{i}", "holder", len(own), 0, 400, now=0.0, keys=request_keys(own, BS),
+                           block_size=BS)
+        core.load.first_token(f"run{i}", now=0.0)
+    assert core.load.load("holder").active_blocks == 512 + 20 * 4 + 20 * 25  # the prefix held once: 1,092
+    req = request(prefix + list(range(900_000, 900_016)), "hot", max_tokens=100)  # 513 blocks + 7 of output
+    d = core.decide(req, now=0.1)
+    by = {c.worker_id: c for c in d.candidates}
+    assert by["holder"].matched_gpu == 512 and by["idle"].matched_gpu == 0
+    assert by["idle"].step_s == pytest.approx(0.010 + 0.1 * (513 + 7) / 2000)
+    assert by["idle"].ttft_s == pytest.approx(0.8208, abs=1e-4)
+    # holder: the others have 200 tokens each still to come (more than its 100): it decodes beside all of them,
+    # adding its 1 own prompt block and 7 output blocks
+    assert by["holder"].step_s == pytest.approx(0.010 + 0.1 * (1092 + 8) / 2000)
+    assert by["holder"].decode_s - by["idle"].decode_s == pytest.approx(100 * 0.1 * (1100 - 520) / 2000)
+    assert d.chosen == "idle"
+
+
+def test_a_second_copy_into_a_full_cache_pays_for_what_it_pushes_out():
+    """A holder with a short queue vs an idle worker: the copy is faster while caches have room; once the fleet's
+    caches are full it pushes out as many cached tokens as it stores, each re-asked with P(reuse), and the
+    holder wins."""
+    core = RoutingCore(RoutingConfig(block_size=BS, cost=linear(0.1, reuse_prior=1.0), seed=0,
+                                     speculative_ttl_s=0))
+    for w in ("holder", "idle"):
+        core.upsert_endpoint(Endpoint(w, f"10.0.0.{len(core.endpoints)}:1"))
+    prompt = list(range(1601))  # 100 blocks held: a cold copy costs 0.16 s
     feed_prefix(core, "holder", prompt, now=0.0)
-    core.load.dispatch("queued", "holder", 4000, 4000, 10, now=0.0)  # 0.4 s queued: 0.4 > 2 x 0.16
-    d = core.decide(request(prompt, "a"), now=0.1)
+    core.load.dispatch("queued", "holder", 3000, 3000, 10, now=0.0)  # 0.3 s queued
+    d = core.decide(request(prompt, "a", max_tokens=0), now=0.1)
     by = {c.worker_id: c for c in d.candidates}
     assert d.chosen == "idle" and by["idle"].eviction_s == 0  # capacity unknown: no eviction cost
-    # both caches reported full (500 blocks resident on 8,000-token caches): the copy pushes out 1,601 cached
-    # tokens, and its 1,600 duplicated ones are a prefix the fleet no longer has room for: 0.32 s more
+    # both caches reported full: the copy's 1,601 new tokens push out as many cached ones (0.1601 s of prefill)
     feed_prefix(core, "holder", list(range(200_000, 206_400)), now=0.0, seq=1)
     feed_prefix(core, "idle", list(range(50_000, 58_000)), now=0.0)
     for w in ("holder", "idle"):
         core.update_metrics(w, EngineMetrics(None, None, None, scraped_at=0.0, cache_tokens=8000))
     assert core.resident_tokens("idle") >= core.cache_tokens["idle"]  # full
-    d = core.decide(request(prompt, "b"), now=0.1)
+    d = core.decide(request(prompt, "b", max_tokens=0), now=0.1)
     by = {c.worker_id: c for c in d.candidates}
-    assert by["idle"].eviction_s == pytest.approx(0.1601 + 0.16)
+    assert by["idle"].eviction_s == pytest.approx(0.1601)
     assert by["holder"].eviction_s == pytest.approx(1e-4)  # its one uncached token
     assert d.chosen == "holder"
 
 
 def test_a_new_prefix_goes_where_it_evicts_nothing():
-    p = CostParams(prefill_s_per_token=1e-4, prefill_s_per_token_sq=0.0, prefill_step_s=0.0, learn_rate=0,
-                   eviction_weight=1.0)
-    core = core_with(2, cost=p, speculative_ttl_s=0)
+    core = core_with(2, cost=linear(0.1, reuse_prior=1.0), speculative_ttl_s=0)
     feed_prefix(core, "w0", list(range(8000)), now=0.0)  # full
     feed_prefix(core, "w1", list(range(10_000, 14_000)), now=0.0)  # half full: room for 4,000 tokens
     for w in ("w0", "w1"):
         core.update_metrics(w, EngineMetrics(None, None, None, scraped_at=0.0, cache_tokens=8000))
     picks = Counter()
     for i in range(20):
-        d = core.decide(request(list(range(100_000 * (i + 1), 100_000 * (i + 1) + 1601)), f"n{i}"), now=0.1)
+        d = core.decide(request(list(range(100_000 * (i + 1), 100_000 * (i + 1) + 1601)), f"n{i}", max_tokens=0),
+                        now=0.1)
         by = {c.worker_id: c for c in d.candidates}
         assert by["w0"].eviction_s == pytest.approx(0.1601) and by["w1"].eviction_s == 0
         picks[d.chosen] += 1
     assert picks == {"w1": 20}
     # once both are full, storing it costs the same everywhere: load decides, the pushed-out price does not
     feed_prefix(core, "w1", list(range(20_000, 24_000)), now=0.0, seq=1)
-    d = core.decide(request(list(range(900_000, 901_601)), "full"), now=0.1)
+    d = core.decide(request(list(range(900_000, 901_601)), "full", max_tokens=0), now=0.1)
     assert {c.worker_id: round(c.eviction_s, 6) for c in d.candidates} == {"w0": 0.1601, "w1": 0.1601}
 
 
-def test_kv_blocks_in_flight_count_a_shared_prefix_once_and_free_in_finish_order():
-    tracker = LoadTracker()
-    system = request_keys(list(range(1600)), BS)  # 100 blocks
-    a = system + request_keys(list(range(1600)) + [7] * 160, BS)[100:]  # + 10 blocks of its own
-    b = system + request_keys(list(range(1600)) + [8] * 160, BS)[100:]
-    tracker.dispatch("a", "w", 1760, 1760, 32, now=0.0, keys=a, block_size=BS)  # tail: 2 output blocks
-    tracker.dispatch("b", "w", 1760, 1760, 32, now=0.0, keys=b, block_size=BS)
-    load = tracker.load("w")
-    assert load.active_blocks == 100 + 10 + 10 + 2 + 2
-    assert load.shared_prefix_blocks([*system, 1, 2, 3]) == 100 and load.shared_prefix_blocks(a) == 110
-    tracker.first_token("a", now=0.1)  # a finishes 32 steps of 10 ms after its first token: at 0.42
-    tracker.first_token("b", now=0.2)  # b at 0.52
-    # a frees only its own 12 blocks (b still holds the system prompt); b's finish frees the other 112
-    assert tracker.release_wait_s("w", 12, now=0.0, decode_step_s=0.01) == pytest.approx(0.42)
-    assert tracker.release_wait_s("w", 13, now=0.0, decode_step_s=0.01) == pytest.approx(0.52)
-    assert tracker.release_wait_s("w", 10_000, now=0.0, decode_step_s=0.01) == pytest.approx(0.52)
-    tracker.complete("a", now=0.42)
-    tracker.complete("b", now=0.52)
-    assert load.active_blocks == 0 and not load.active_keys
+def test_eviction_is_priced_by_how_often_the_fleet_asks_again_for_what_it_evicted():
+    """The ghost list: of the blocks the workers' events say were evicted, the share later requests ask for."""
+    from router.events.codec import BlockRemoved
+
+    core = core_with(1, cost=linear(0.1, reuse_prior=0.5), speculative_ttl_s=0)
+    state = core.state
+    assert state.reuse.probability == pytest.approx(0.5)  # the prior, before anything was seen
+    tokens = list(range(16 * 400))
+    feed_prefix(core, "w0", tokens, now=0.0)
+    removed = BlockRemoved(list(range(1, 401)), "GPU")
+    assert core.feeder.offer("w0", 1, EventBatch(0.1, [removed], 0), 0.1) is None
+    assert len(state.reuse) == 400
+    state.reuse.set_window(400)
+    # requests ask again for the first 100 evicted blocks; then 400 new evictions push the rest out unasked
+    req = request(tokens[: 16 * 100 + 1], "again")
+    core.dispatch(req, core.decide(req, now=0.2), "w0", now=0.2)
+    state.reuse.evicted(range(10**6, 10**6 + 400))
+    p = state.reuse.probability
+    assert 0.2 < p < 0.35  # ~100 reused of ~400 resolved, with the prior's 64 pseudo-samples at 0.5
 
 
-def test_a_worker_whose_cache_is_full_of_running_requests_makes_new_ones_wait():
-    p = CostParams(prefill_s_per_token=1e-5, prefill_s_per_token_sq=0.0, prefill_step_s=0.0, learn_rate=0,
-                   decode_step_s=0.02)
-    core = RoutingCore(RoutingConfig(block_size=BS, cost=p, seed=0, speculative_ttl_s=0))
-    for w in ("busy", "free"):
-        core.upsert_endpoint(Endpoint(w, f"10.0.0.{len(core.endpoints)}:1"))
-        core.update_metrics(w, EngineMetrics(None, None, None, scraped_at=0.0, cache_tokens=16 * 300))
-    for i in range(4):  # four decoding requests hold 4 x 70 of the busy worker's 300 blocks
-        keys = request_keys(list(range(i * 10_000, i * 10_000 + 1088)), BS)  # 68 blocks + 2 tail
-        core.load.dispatch(f"run{i}", "busy", 1088, 0, 32, now=0.0, keys=keys, block_size=BS)
-        core.load.first_token(f"run{i}", now=0.1 * i)
-    prompt = list(range(100_000, 100_480))  # 30 blocks + 1 output block: 281 + 31 > 300
-    d = core.decide(request(prompt, max_tokens=16), now=0.5)
-    by = {c.worker_id: c for c in d.candidates}
-    # the first to finish (run0: 32 steps of 20 ms after 0.0) frees 70 blocks at 0.64
-    assert by["busy"].queue_s == pytest.approx(0.14) and by["free"].queue_s == 0
-    assert d.chosen == "free"
-    assert core.decide(request(prompt[:304], max_tokens=16), now=0.5).candidates[0].queue_s == 0  # 20 fit
-
-def test_learned_scale_follows_observed_ttft():
+def test_a_workers_fit_learns_its_speed_and_shrugs_off_outliers():
+    """Observed TTFT = 2x the model's + 2 ms of overhead (HTTP, tokenizing): the fit, a line through the origin that
+    long TTFTs weigh most, finds the 2x; a 10 s stall in every 50 does not move it. Requests with a queue ahead
+    are not learned from (their queue estimate's error would be)."""
     core = core_with(1, speculative_ttl_s=0)
-    base = core.cost.prefill_s(6000)  # what an idle, cold worker is modelled to take (over 0.1 s: learned from)
-    for i in range(60):
-        req = request(list(range(i * 10_000, i * 10_000 + 6000)), f"r{i}")
+    for i in range(160):
+        size = 500 + 100 * (i % 40)
+        req = request(list(range(i * 10_000, i * 10_000 + size)), f"r{i}", max_tokens=2)
         d = core.decide(req, now=float(i))
-        assert d.predicted_ttft_s == pytest.approx(base * core.cost.scale.get("w0", 1.0))
+        model = d.candidates[0].model_ttft_s
+        assert model > 0  # nothing queued: learned from
         core.dispatch(req, d, "w0", now=float(i))
-        core.first_token(f"r{i}", now=i + 2.0 * base)  # the worker is really 2x slower than modelled
+        core.first_token(f"r{i}", now=i + (10.0 if i % 50 == 7 else 0.002 + 2.0 * model))
         core.completed(f"r{i}", now=i + 0.5)
-    assert core.cost.scale["w0"] == pytest.approx(2.0, rel=0.02)
-    # short (cache-hit sized) TTFTs are mostly fixed overhead: they do not move the factor
-    short = request(list(range(900_000, 900_100)), "short")
-    d = core.decide(short, now=100.0)
-    core.dispatch(short, d, "w0", now=100.0)
-    core.first_token("short", now=100.0 + 10 * d.predicted_ttft_s)
-    assert core.cost.scale["w0"] == pytest.approx(2.0, rel=0.02)
+    fit = core.cost.profile("w0").ttft
+    assert fit.slope == pytest.approx(2.0, rel=0.05) and fit.intercept == 0.0
+    req = request(list(range(5_000_000, 5_003_000)), "next")
+    d = core.decide(req, now=200.0)
+    assert d.predicted_ttft_s == pytest.approx(fit.slope * d.candidates[0].model_ttft_s)
+    core.load.dispatch("ahead", "w0", 4000, 4000, 10, now=200.0)
+    assert core.decide(request(list(range(6_000_000, 6_000_500)), "queued"), now=200.0).candidates[0].model_ttft_s == 0
+
+
+def test_a_workers_decode_fit_learns_its_inter_token_time():
+    core = core_with(1, speculative_ttl_s=0)
+    for i in range(40):
+        req = request(list(range(i * 10_000, i * 10_000 + 200)), f"r{i}", max_tokens=11)
+        d = core.decide(req, now=float(i))
+        step = d.candidates[0].model_step_s
+        core.dispatch(req, d, "w0", now=float(i))
+        core.first_token(f"r{i}", now=i + 0.05)
+        core.completed(f"r{i}", now=i + 0.05 + 10 * 3.0 * step, output_tokens=11)  # 3x slower steps
+    # 40 samples at 3x against the prior's 4 pseudo-samples at 1x (the timing as given); it refits every 8
+    # samples: fit the last one in now
+    fit = core.cost.profile("w0").decode
+    assert len(fit) == 40
+    fit.fit()
+    assert fit.slope == pytest.approx((40 * 3.0 + 4 * 1.0) / 44)
 
 
 # ---- hot prefix ----------------------------------------------------------------------------------------
@@ -209,7 +278,7 @@ def test_a_hot_prefix_spreads_once_queueing_outweighs_the_saving():
     busy = Counter(r.worker for r in recs[-200:])
     assert calm.most_common(1)[0][1] >= 50  # at low load, affinity: almost all to the holder
     # at high load the holder alone would queue: the load is shared, no worker takes most of it
-    assert len(busy) >= 2 and sorted(busy.values())[-2] >= 60
+    assert len(busy) >= 2 and max(busy.values()) <= 120
     assert busy.most_common(1)[0][1] <= 130
     assert all(r.finished_at is not None for r in recs)
 
@@ -293,8 +362,13 @@ def test_identical_idle_workers_share_load_at_random():
 
 
 def test_speculative_record_steers_a_burst_before_events_arrive():
+    """A burst of one long prompt: waiting behind its first copy takes as long as prefilling a copy cold, but the
+    copy pushes half its size out of a cache with room for the other half; the burst stays together."""
     core = core_with(4)
-    prompt = list(range(16_000))  # long enough that waiting behind its first copy beats a cold prefill
+    for i in range(4):
+        feed_prefix(core, f"w{i}", list(range(10**6 * (i + 1), 10**6 * (i + 1) + 12_000)), now=0.0)
+        core.update_metrics(f"w{i}", EngineMetrics(None, None, None, scraped_at=0.0, cache_tokens=20_000))
+    prompt = list(range(16_000))
     first = core.decide(request(prompt, "a"), now=0.0)
     core.dispatch(request(prompt, "a"), first, first.chosen, now=0.0)
     for i in range(3):
@@ -315,6 +389,8 @@ def test_speculative_credit_survives_a_resync_but_not_staleness():
     # the worker's first event comes with seq 5: the router asks for a replay and the index is unsynced
     gap = core.feeder.offer(first.chosen, 5, EventBatch(0.01, [], 0), now=0.01)
     assert gap is not None and core.index_state(first.chosen, 0.02) == "unsynced"
+    core.first_token("a", now=0.015)
+    core.completed("a", now=0.015)  # done: nothing queued there, its prompt cached (no event has said so yet)
     d = core.decide(request(prompt, "b"), now=0.02)
     assert d.chosen == first.chosen  # what we just sent there is still there
     assert next(c for c in d.candidates if c.worker_id == first.chosen).speculative == len(prompt) // BS

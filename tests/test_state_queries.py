@@ -169,3 +169,27 @@ def test_a_refused_request_owes_no_events_and_leaves_no_speculative_credit():
     served.complete(1.1)  # a served request keeps both: events are owed, the prefix is on its way
     assert core.state.speculative.match(route(tokens).keys, 1.2) == {"w0": 20}
     assert core.index_state("w0", 1.0 + core.config.stale_after_s + 1) == "stale"
+
+
+def test_a_scrape_counts_only_what_the_router_does_not_know_better():
+    """A scrape is up to a probe interval old. The router knows exactly which of its own requests started and
+    ended since; from the engine it takes only the part beyond its own at scrape time (another router's)."""
+    from router.load import EngineMetrics
+
+    core = core_with(1)
+    state = core.state
+    for i in range(3):  # three of ours decoding, 20 blocks each (prompt 304 tokens + 16 output: 20 blocks)
+        keys = request_keys(list(range(i * 999, i * 999 + 304)), BS)
+        core.load.dispatch(f"r{i}", "w0", 304, 304, 16, now=0.0, keys=keys, block_size=BS)
+        core.load.first_token(f"r{i}", now=0.1)
+    # the engine: our 3 running plus 2 of another router's, and 40 blocks beyond ours in use
+    state.update_metrics("w0", EngineMetrics(0, 5, (60 + 40) / 1000, scraped_at=0.2, cache_tokens=1000 * BS))
+    view = state.engine_view("w0", state.fresh_metrics("w0", 0.3))
+    assert view is not None and view.running == 5 and view.kv_usage == (60 + 40) / 1000  # nothing changed
+    for i in range(3):
+        core.load.complete(f"r{i}", now=0.4)  # ours ended after the scrape
+    view = state.engine_view("w0", state.fresh_metrics("w0", 0.5))
+    assert view is not None and view.running == 2 and view.waiting == 0  # the other router's two
+    assert view.kv_usage == 40 / 1000
+    c = core.decide(route(list(range(50_000, 50_100)), "next"), now=0.5).candidates[0]
+    assert c.busy == 2  # least_loaded and approx_prefix read the same view

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from router.index import Medium
-from router.scheduling import profiles
+from router.scheduling import CostParams, RoutingConfig, profiles
 from sim import cli
-from sim.oracle import ORACLE
+from sim.oracle import ORACLE, oracle_routing
 from sim.runner import EventFaults, RequestRecord, SimConfig, SimResult, Simulation, summarise
 from sim.suite import SCENARIOS, SUMMARY_KEYS, TRACE, TRACE_SPEEDUPS, half_compute
 from sim.workload import SimRequest, engine_answer, tokens_for_block, working_set_tokens
 from tests.conftest import need_shared
-from workers.engine import EngineConfig, EngineModel, EngineRequest
+from workers.engine import EngineConfig, EngineModel, EngineRequest, TimingModel
 
 BS = 16
 
@@ -85,6 +85,22 @@ def test_suite_table_and_plots(tmp_path, capsys):
     assert _cli(["--suite", "standard", "--scenarios", "nope"]) == 2
 
 
+def test_cost_overrides_apply_to_every_profile(capsys):
+    """``--cost kv_load_weight=0`` makes precise the precise_ttft profile (the same objective, TTFT first)."""
+    base = ["--suite", "standard", "--quick", "--scenarios", "shared_prefix", "--json"]
+    assert _cli([*base, "--policies", "precise_ttft,precise"]) == 0
+    plain = json.loads(capsys.readouterr().out)["scenarios"]["shared_prefix"]["policies"]
+    assert _cli([*base, "--policies", "precise", "--cost", "kv_load_weight=0"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["cost"]["kv_load_weight"] == 0
+    def figures(r):
+        return {k: v for k, v in r.items() if k != "wall_s"}
+
+    assert figures(got["scenarios"]["shared_prefix"]["policies"]["precise"]) == figures(plain["precise_ttft"])
+    assert figures(plain["precise"]) != figures(plain["precise_ttft"])
+    assert _cli([*base, "--cost", "nope=1"]) == 2
+
+
 # ---- the oracle ------------------------------------------------------------------------------------------
 
 def _warm(engine: EngineModel, tokens: np.ndarray, out: int = 4) -> None:
@@ -125,8 +141,12 @@ def test_the_oracle_in_a_run_follows_the_cache_through_delayed_events():
             for i in range(6)]  # 5 s apart: past the speculative prefixes' 2 s, long before any event arrives
     faults = {i: EventFaults(delay_s=1000.0) for i in range(4)}
     engine = EngineConfig(num_gpu_blocks=1000, block_size=BS)
-    runs = {p: Simulation(reqs, SimConfig(workers=4, policy=p, engine=engine, faults=faults)).run()
-            for p in ("precise", ORACLE)}
+    # learning off: precise's choice among workers it has no news of is then a fair draw, not the one worker whose
+    # first TTFT happened to come in under the model (what this test compares is information, not learning)
+    base = RoutingConfig(policy="precise", block_size=BS, seed=0, cost=CostParams(learn=False))
+    runs = {"precise": Simulation(reqs, SimConfig(workers=4, engine=engine, faults=faults, routing=base)).run(),
+            ORACLE: Simulation(reqs, SimConfig(workers=4, engine=engine, faults=faults,
+                                               routing=oracle_routing(BS, 0, base))).run()}
     oracle = runs[ORACLE].records
     assert len({r.worker for r in oracle}) == 1  # every request on the first one's worker: it holds the prefix
     assert all(r.cached_tokens == 64 * BS for r in oracle[1:])
@@ -242,3 +262,22 @@ def test_half_compute_doubles_every_step():
     t = TimingModel()
     h = half_compute(t)
     assert h.step_ms(3000, 5, 0.4, 100) == pytest.approx(2 * t.step_ms(3000, 5, 0.4, 100))
+
+
+def test_the_router_learns_engines_that_run_slower_than_its_default_timing():
+    """Engines 1.5x slower than the router's default timing at everything: the routing core, told nothing, fits
+    each worker's TTFT and inter-token time from what it observes, and its predictions come to match."""
+    slow = TimingModel(**{k: 1.5 * v for k, v in TimingModel().as_dict().items()})
+    engine = EngineConfig(num_gpu_blocks=4096, block_size=BS, timing=slow)
+    rng = np.random.default_rng(5)
+    reqs, t = [], 0.0
+    for i in range(240):
+        t += float(rng.exponential(0.25))  # light load: most requests find nothing queued ahead
+        reqs.append(SimRequest(f"r{i}", t, tokens_for_block(1000 + i, int(rng.integers(16, 200)) * BS), 24))
+    sim = Simulation(reqs, SimConfig(workers=2, policy="precise", engine=engine))
+    sim.run()
+    for w in ("w0", "w1"):
+        prof = sim.core.cost.profile(w)
+        assert len(prof.ttft) >= 30 and len(prof.decode) >= 30
+        assert prof.ttft.slope == pytest.approx(1.5, rel=0.05)
+        assert prof.decode.slope == pytest.approx(1.5, rel=0.05)

@@ -14,7 +14,7 @@ share them:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -98,6 +98,8 @@ class IndexFeeder:
         self.rechunk = rechunk
         self.rechunk_max_pages = rechunk_max_pages
         self.feeds: dict[str, WorkerFeed] = {}
+        # told the keys each GPU removal evicts (the routing objective's reuse statistics), when set
+        self.on_gpu_evicted: Callable[[list[int]], None] | None = None
         self._work = 0  # blocks (and events) applied since the last step ended
 
     def feed(self, worker_id: str) -> WorkerFeed:
@@ -233,6 +235,9 @@ class IndexFeeder:
                         hashes = piece.block_hashes
                         if f.rechunk is not None:  # pages first: what they do not hold may be plain blocks
                             hashes = f.rechunk.remove(hashes, medium)
+                        if self.on_gpu_evicted is not None and medium is Medium.GPU:
+                            key_of, wid = self.index.key_of, f.worker_id
+                            self.on_gpu_evicted([k for h in hashes if (k := key_of(wid, h)) is not None])
                         f.unknown_removals += self.index.remove(f.worker_id, hashes, medium)
                     elif isinstance(piece, AllBlocksCleared):
                         self._clear(f)

@@ -195,7 +195,7 @@ class RoutingCore:
         if d is not None:
             d.first_token(now, learn)
 
-    def completed(self, request_id: str, now: float, served: bool = True) -> None:
+    def completed(self, request_id: str, now: float, served: bool = True, output_tokens: int | None = None) -> None:
         d = self.dispatches.get(request_id)
         if d is not None:
-            d.complete(now, served)
+            d.complete(now, served, output_tokens)

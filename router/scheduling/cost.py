@@ -1,31 +1,33 @@
-"""Estimated time to first token on each candidate: what a prefix hit saves versus what the queue costs.
+"""The routing objective: the seconds of user-visible latency a choice costs, everyone's, in one unit.
 
-    ttft = queue wait + prefill(uncached tokens) + load-back(CPU/storage hits) + decode interference
+For a request and a candidate worker, with ``p0`` the worker's KV fraction in use (the router's accounting, or
+the engine's own ``kv_usage`` when that says more) and ``p1`` that fraction once this request's new blocks are
+added (the prompt blocks no request in flight there shares, its partial block and its output):
 
-- queue wait: prefill work already sent to the worker and not yet done (router accounting), or the engine's
-  own waiting count when that says more (other routers also feed it). Engines batch prefills: pending work
-  and this request's share steps of up to ``step_token_budget`` tokens, so the wait is what prefilling
-  pending + own tokens costs beyond prefilling its own tokens alone, not a sum of per-request steps;
-- prefill: the same quadratic-in-tokens shape as the engine (attention is quadratic), default calibrated to
-  the engine model's timing (Dynamo's mocker fit);
-- GPU hits are free; CPU-tier hits cost a load-back per token, storage hits more;
-- running decodes share every step: a small per-request term;
-- memory: when the KV blocks this request needs do not fit beside those the requests in flight hold, the
-  engine admits it only as some finish (``memory_wait_s``, from the router's accounting: ``LoadTracker``).
-A per-worker exponentially weighted factor learns how far observed TTFTs sit from these estimates.
+    own TTFT   = queue + prefill(uncached) + load-back + memory wait
+    own decode = max_tokens x step(p1)
+    stall      = running x (prefill steps - the decode steps they replace)   (its prefill holds every decode there)
+    slowdown   = others' remaining output x (step(p1) - step(p0))          (its KV slows their every step)
+    eviction   = P(reuse) x prefill(cached tokens it pushes out)            (the fleet pays them again if asked)
+    score      = own TTFT + own decode + stall + slowdown + eviction
 
-The score adds what this request costs the others: its prefill stalls every decode running on that worker
-for the prefill's length (``interference_s = running * prefill``), weighted by ``interference_weight``; and
-the prefill compute itself, weighted by ``compute_weight``: two cold copies of one prefix finish no sooner
-than one copy and a cache hit, but burn twice the GPU time (a burst of one new prefix stays together);
-and, weighted by ``eviction_weight``, the cached tokens it pushes out, at their prefill price (the fleet pays
-it again when they are asked for): the new tokens beyond the worker's free room (capacity minus what the
-index says it holds: while caches fill, new prefixes go where they evict nothing and stay spread evenly
-instead of thrashing one cache), plus, for a second copy of a prefix another worker holds, that copy scaled
-by how full this cache is (a full fleet holds one prefix fewer for every duplicate).
-Minimising TTFT alone piles conversations onto their holders and stretches everyone's end-to-end latency;
-the interference term keeps cheap (cached) prefills on the holder and sends expensive cold ones where
-fewer decodes would wait for them.
+- queue: prefill already sent there and not done (router accounting; the engine's waiting count when it says
+  more: other routers feed it too). Engines batch prefill in steps of up to ``step_token_budget`` tokens, so the
+  wait is what prefilling pending + own tokens costs beyond its own alone;
+- a prefill step beside running decodes lasts at least their decode step (``max(prefill, decode)``);
+- GPU hits are free; CPU-tier hits cost a load-back per token, storage-tier hits more;
+- memory wait: when its blocks do not fit beside what the requests in flight hold, until enough of them end;
+- P(reuse): the fraction of evicted blocks the fleet is later asked for again (``ReuseTracker``, learned from
+  the events and the requests; a prior until then); the pushed-out tokens are what it stores anew (uncached
+  prompt and output) beyond the free room
+  (capacity minus what the index says the cache holds), so a second copy of a prefix in a full fleet pays for
+  the prefix it evicts, and while caches fill nothing is priced.
+
+Every term is seconds some request waits, so the terms add with no weights. Step costs come from the worker's
+``EngineProfile``: the timing shape (``StepTiming``, one place) corrected online by robust fits of its observed
+TTFTs and inter-token times. The only assumed quantities are named parameters below (``remaining_fraction``:
+on average half of a request in flight's output is still to come; ``waiting_prompt_tokens``: the size of a
+request the engine reports waiting that this router did not send).
 """
 
 from __future__ import annotations
@@ -34,27 +36,31 @@ from dataclasses import dataclass, field, fields
 
 from router.index import PrefixMatch
 from router.load import EngineMetrics, WorkerLoad
+from router.scheduling.engine_profile import DEFAULT_TIMING, EngineProfile, RobustLine, StepTiming
 from router.scheduling.types import hit_tokens
 
 
 @dataclass(frozen=True)
 class CostParams:
-    prefill_s_per_token: float = 1.518e-5
-    prefill_s_per_token_sq: float = 4.21e-10
-    prefill_step_s: float = 0.0165
+    prefill_a: float = DEFAULT_TIMING.prefill_a  # the engines' step timing until their fits learn (StepTiming)
+    prefill_b: float = DEFAULT_TIMING.prefill_b
+    prefill_c: float = DEFAULT_TIMING.prefill_c
+    decode_a: float = DEFAULT_TIMING.decode_a
+    decode_b: float = DEFAULT_TIMING.decode_b
+    decode_c: float = DEFAULT_TIMING.decode_c
+    load_back_ms_per_token: float = DEFAULT_TIMING.load_back_ms_per_token
+    storage_ms_per_token: float = 0.005  # storage tier -> GPU
     step_token_budget: int = 8192  # the engines' max_num_batched_tokens
-    load_back_s_per_token: float = 1e-6  # CPU tier -> GPU
-    storage_s_per_token: float = 5e-6  # storage tier -> GPU
-    decode_s_per_running: float = 2e-4
-    decode_step_s: float = 0.03  # a decode step of a busy engine: how fast requests in flight finish
-    interference_weight: float = 0.05
-    compute_weight: float = 1.0
-    eviction_weight: float = 5.0
-    waiting_prompt_tokens: int = 2048  # assumed size of each engine-reported waiting request
-    learn_rate: float = 0.1  # EWMA weight of each observed TTFT (0 disables learning)
-    learn_min_predicted_s: float = 0.1  # learn only from TTFTs the model says are this long or longer
-    learn_min: float = 0.25
-    learn_max: float = 4.0
+    remaining_fraction: float = 0.5  # of a request in flight's output, the part still to come, on average
+    waiting_prompt_tokens: int = 2048  # assumed size of each engine-reported waiting request we did not send
+    reuse_prior: float = 0.5  # P(an evicted block is asked for again) until the fleet has shown it
+    # how the decode time the KV load decides (its own decode, the slowdown its KV brings the others) counts
+    # against the rest: 1, every second alike (the whole latency); 0, TTFT first (docs/benchmarks.md: the
+    # sensitivity table; the ``precise_ttft`` profile)
+    kv_load_weight: float = 1.0
+    learn: bool = True  # fit each worker's TTFT and inter-token time online (False: the timing as given)
+    fit_window: int = 256  # samples each fit keeps
+    fit_prior_samples: float = 4.0  # how many samples' worth the timing defaults weigh in each fit
 
     @classmethod
     def from_dict(cls, data: dict[str, float]) -> CostParams:
@@ -64,52 +70,80 @@ class CostParams:
             raise ValueError(f"unknown cost parameters {sorted(bad)}; known: {sorted(known)}")
         return cls(**data)
 
+    @property
+    def timing(self) -> StepTiming:
+        return StepTiming(self.prefill_a, self.prefill_b, self.prefill_c, self.decode_a, self.decode_b,
+                          self.decode_c, self.load_back_ms_per_token)
+
 
 @dataclass(slots=True)
 class Estimate:
-    queue_s: float
-    prefill_s: float
-    decode_s: float
+    queue_s: float  # waiting for the prefill ahead of it, and for memory
+    prefill_s: float  # its own prefill and load-back
+    decode_s: float  # its own decode: max_tokens steps at the KV load it brings
     uncached_tokens: int
-    interference_s: float = 0.0  # decode time this prefill takes from requests already running there
-    interference_weight: float = 0.0
-    compute_weight: float = 0.0
-    eviction_s: float = 0.0  # prefill value of the cached tokens this request would push out
-    eviction_weight: float = 0.0
+    stall_s: float = 0.0  # decode time its prefill steps take from the requests running there
+    slowdown_s: float = 0.0  # decode time its KV adds to their remaining steps
+    eviction_s: float = 0.0  # expected re-prefill of the cached tokens it pushes out
+    kv_load_weight: float = 1.0  # how the KV-load terms (own decode, slowdown) count against the rest
+    step_s: float = 0.0  # the decode step it will see (s per output token)
+    # own TTFT by the timing shape alone, before this worker's fit: what the fit learns on, and only when nothing
+    # is queued ahead of it (0 then): a queue estimate's error depends on the load, and a fit that learned it
+    # would make busy workers look fast and draw more load to them
+    model_ttft_s: float = 0.0
+    model_step_s: float = 0.0  # the decode step by the shape alone
 
     @property
     def ttft_s(self) -> float:
-        return self.queue_s + self.prefill_s + self.decode_s
+        return self.queue_s + self.prefill_s
+
+    @property
+    def interference_s(self) -> float:
+        """What it costs the requests already there."""
+        return self.stall_s + self.slowdown_s
 
     @property
     def score(self) -> float:
-        return (self.ttft_s + self.interference_weight * self.interference_s + self.compute_weight * self.prefill_s
-                + self.eviction_weight * self.eviction_s)
+        return (self.queue_s + self.prefill_s + self.stall_s + self.eviction_s
+                + self.kv_load_weight * (self.decode_s + self.slowdown_s))
 
 
 @dataclass
 class CostModel:
     params: CostParams = field(default_factory=CostParams)
-    scale: dict[str, float] = field(default_factory=dict)  # learned per worker
+    profiles: dict[str, EngineProfile] = field(default_factory=dict)  # per worker, learned
 
-    def prefill_s(self, tokens: int) -> float:
-        """Time to prefill ``tokens`` in as few steps as the token budget allows."""
-        p = self.params
-        if tokens <= 0:
-            return 0.0
-        steps = -(-tokens // max(p.step_token_budget, 1))
-        per_step_sq = p.prefill_s_per_token_sq * tokens * tokens / steps  # attention is quadratic within a step
-        return steps * p.prefill_step_s + p.prefill_s_per_token * tokens + per_step_sq
+    def profile(self, worker_id: str) -> EngineProfile:
+        prof = self.profiles.get(worker_id)
+        if prof is None:
+            p = self.params
+            prof = self.profiles[worker_id] = EngineProfile(
+                p.timing, p.step_token_budget,
+                RobustLine(window=p.fit_window, prior_samples=p.fit_prior_samples, fit_intercept=False),
+                RobustLine(window=p.fit_window, prior_samples=p.fit_prior_samples, fit_intercept=False))
+        return prof
+
+    def forget(self, worker_id: str) -> None:
+        self.profiles.pop(worker_id, None)
+
+    def prefill_s(self, tokens: int, worker_id: str | None = None) -> float:
+        """Seconds to prefill ``tokens`` alone on an idle worker (the default profile when none is named)."""
+        prof = self.profile(worker_id) if worker_id else self.profile("")
+        model, _ = prof.prefill_s(tokens)
+        return prof.ttft.slope * model if model else 0.0
 
     def estimate(self, worker_id: str, prompt_tokens: int, block_size: int, match: PrefixMatch | None,
-                 load: WorkerLoad | None, metrics: EngineMetrics | None, duplicate_tokens: int = 0,
-                 resident_tokens: int = 0, capacity_tokens: int | None = None,
-                 memory_wait_s: float = 0.0) -> Estimate:
-        """``duplicate_tokens``: of this prompt, what another candidate already caches and this one would
-        prefill again; ``resident_tokens`` / ``capacity_tokens``: what this worker's cache holds (by the
-        index) and can hold (None: unknown, no eviction cost); ``memory_wait_s``: until requests in flight
-        free room for this one's blocks (0 when it fits)."""
+                 load: WorkerLoad | None, metrics: EngineMetrics | None, *, max_tokens: int = 0,
+                 new_blocks: int = 0, resident_tokens: int = 0, capacity_tokens: int | None = None,
+                 memory_wait_s: float = 0.0, reuse: float | None = None,
+                 remaining_tokens: float | None = None) -> Estimate:
+        """``new_blocks``: the KV blocks this request adds there (its prompt blocks no request in flight shares,
+        its partial block and output); ``resident_tokens`` / ``capacity_tokens``: what the GPU cache holds (by the
+        index) and can hold (None: unknown, so no eviction or KV-load term); ``memory_wait_s``: until requests in
+        flight free room for its blocks; ``reuse``: P(an evicted block is asked for again); ``remaining_tokens``:
+        the output the requests there have still to generate, when known (else ``remaining_fraction`` of theirs)."""
         p = self.params
+        prof = self.profile(worker_id)
         gpu = cpu = storage = 0
         if match is not None:
             gpu, cpu, storage = match.gpu * block_size, match.cpu * block_size, match.storage * block_size
@@ -120,32 +154,58 @@ class CostModel:
             # the engine's waiting count includes ours (known exactly); only the excess is other routers' work
             ours = (load.requests - load.decoding) if load else 0
             pending += max(0, int(metrics.waiting) - ours) * p.waiting_prompt_tokens
-        own = self.prefill_s(uncached)
-        queue = self.prefill_s(pending + uncached) - own if pending else 0.0  # batched with what is pending
-        prefill = own + cpu * p.load_back_s_per_token + storage * p.storage_s_per_token
         running = load.decoding if load else 0
         if metrics is not None and metrics.running is not None:
             running = max(running, int(metrics.running))  # running includes ours: the larger count wins
-        decode = running * p.decode_s_per_running
-        k = self.scale.get(worker_id, 1.0)
+        # KV in use, before and after this request; over its decode, the requests there now end as it runs
+        # (each has ``remaining_fraction`` of its output left on average), so it decodes beside that share of theirs
+        others_left = (p.remaining_fraction * (load.output_tokens if load else 0) if remaining_tokens is None
+                       else remaining_tokens)
+        inflight = max(load.requests if load else 0, running, 1)
+        overlap = min(1.0, others_left / inflight / max_tokens) if max_tokens else 1.0
+        cap_blocks = capacity_tokens // block_size if capacity_tokens else 0
+        used = float(load.active_blocks) if load else 0.0
+        if cap_blocks:
+            if metrics is not None and metrics.kv_usage is not None:
+                used = max(used, metrics.kv_usage * cap_blocks)  # the engine's own view (other routers too)
+            p0, p1 = used / cap_blocks, (used + new_blocks) / cap_blocks
+            own_p = (overlap * used + new_blocks) / cap_blocks
+        else:
+            p0 = p1 = own_p = metrics.kv_usage if metrics is not None and metrics.kv_usage is not None else 0.0
+        d0, d1, own_step = prof.decode_step_s(p0), prof.decode_step_s(p1), prof.decode_step_s(own_p)
+        floor = d0 if running else 0.0
+        # its prefill, batched behind what is pending, each step at least the decode step beside it
+        own, steps = prof.prefill_s(uncached, floor)
+        queue = (prof.prefill_s(pending + uncached, floor)[0] - own) if pending else 0.0
+        load_back = (cpu * prof.timing.load_back_ms_per_token + storage * p.storage_ms_per_token) / 1000.0
+        model_ttft = queue + own + load_back
+        k = prof.ttft.slope
+        ttft = prof.ttft.predict(model_ttft)
+        queue_s = ttft * (queue / model_ttft) if model_ttft else 0.0
+        prefill_s = ttft - queue_s
+        # what it costs the others there
+        stall = running * max(0.0, k * own - steps * d0)
+        if max_tokens:
+            others_left = min(others_left, running * max_tokens)  # they are slowed only while it decodes
+        slowdown = others_left * (d1 - d0)
         eviction = 0.0
-        if capacity_tokens:
-            overflow = uncached - max(0, capacity_tokens - resident_tokens)
-            fullness = min(1.0, resident_tokens / capacity_tokens)
-            eviction = self.prefill_s(overflow) + fullness * self.prefill_s(min(duplicate_tokens, uncached))
-        return Estimate(queue * k + memory_wait_s, prefill * k, decode * k, uncached, running * prefill * k,
-                        p.interference_weight, p.compute_weight, eviction * k, p.eviction_weight)
+        if cap_blocks:
+            # what it stores anew (its uncached prompt and its output) beyond the room the cache has free
+            overflow = uncached + max_tokens - max(0, capacity_tokens - resident_tokens)
+            if overflow > 0:
+                share = p.reuse_prior if reuse is None else reuse
+                eviction = share * k * prof.prefill_s(overflow)[0]
+        return Estimate(queue_s + memory_wait_s, prefill_s, max_tokens * own_step, uncached, stall, slowdown,
+                        eviction, p.kv_load_weight, own_step, 0.0 if pending else model_ttft,
+                        prof.timing.decode_ms(own_p) / 1000.0)
 
-    def observe(self, worker_id: str, predicted_s: float | None, observed_s: float) -> None:
-        """Fold one observed TTFT into the worker's correction factor.
+    # ---- learning ---------------------------------------------------------------------------------
+    def observe_ttft(self, worker_id: str, model_s: float | None, observed_s: float) -> None:
+        """One observed TTFT against the timing shape's prediction for it (``Estimate.model_ttft_s``)."""
+        if self.params.learn and model_s and model_s > 0:
+            self.profile(worker_id).ttft.add(model_s, observed_s)
 
-        Short predictions are skipped: their observed TTFT is mostly fixed overhead (HTTP, tokenizing, the
-        first chunk), and a factor learned from cache hits would inflate every estimate of the holder.
-        """
-        p = self.params
-        if not predicted_s or predicted_s < p.learn_min_predicted_s or observed_s <= 0 or p.learn_rate <= 0:
-            return
-        k = self.scale.get(worker_id, 1.0)
-        raw = k * observed_s / predicted_s  # predicted already included k
-        k = (1 - p.learn_rate) * k + p.learn_rate * raw
-        self.scale[worker_id] = min(max(k, p.learn_min), p.learn_max)
+    def observe_step(self, worker_id: str, model_step_s: float | None, observed_s: float) -> None:
+        """One request's observed mean inter-token time against the model's decode step for it."""
+        if self.params.learn and model_step_s and model_step_s > 0:
+            self.profile(worker_id).decode.add(model_step_s, observed_s)

@@ -55,12 +55,14 @@ class Dispatch:
         self._record(worker_id, now)
 
     def first_token(self, now: float, learn: bool = True) -> None:
-        """``learn``: fold this TTFT into the worker's cost factor (only when the first token was seen as such)."""
+        """``learn``: fit this TTFT into the worker's engine profile (only when the first token was seen as such)."""
         r = self.state.load.first_token(self.request.request_id, now)
         if r is None or not learn:
             return
         observed = now - r.dispatched_at
-        self.state.cost.observe(r.worker_id, r.predicted_ttft_s, observed)
+        report = self.report
+        if report is not None:
+            self.state.cost.observe_ttft(r.worker_id, report.model_ttft_s, observed)
         for p in self.plugins:
             p.on_first_token(r.worker_id, r.predicted_ttft_s, observed, now)
 
@@ -71,15 +73,22 @@ class Dispatch:
         if cached_tokens + self.request.block_size < self.expected_hit_tokens:
             self.state.worker_failed(self.worker_id, now)
 
-    def complete(self, now: float, served: bool = True) -> None:
+    def complete(self, now: float, served: bool = True, output_tokens: int | None = None) -> None:
         """Answered. ``served``: the worker computed it (a 2xx, or a stream cut part way), so what was recorded
-        stays true; a refusal (4xx/5xx) computed nothing: as ``fail``, the records are taken back."""
+        stays true; a refusal (4xx/5xx) computed nothing: as ``fail``, the records are taken back.
+        ``output_tokens``: how many it generated, when known: the inter-token time is fitted into the worker's
+        engine profile."""
         if self.ended:
             return
         if not served:
             self.fail(now)
             return
-        self.state.load.complete(self.request.request_id, now)
+        r = self.state.load.complete(self.request.request_id, now)
+        report = self.report
+        if (r is not None and r.first_token_at is not None and output_tokens and output_tokens > 1
+                and report is not None):
+            step = (now - r.first_token_at) / (output_tokens - 1)
+            self.state.cost.observe_step(r.worker_id, report.model_step_s, step)
         self._end()
 
     def fail(self, now: float) -> None:
@@ -93,6 +102,8 @@ class Dispatch:
     def _record(self, worker_id: str, now: float) -> None:
         req, state = self.request, self.state
         self.attempts += 1
+        if self.attempts == 1:
+            state.reuse.requested(req.keys)  # asked again for blocks the fleet evicted: what evicting costs
         report = self.report
         if report is not None:
             uncached = req.prompt_tokens - hit_tokens(report.matched_blocks, req.block_size, req.prompt_tokens)

@@ -25,7 +25,7 @@ class Candidate(CandidateReport):
 
     endpoint: Endpoint | None = None
     load: WorkerLoad | None = None  # the router's in-flight accounting there
-    metrics: EngineMetrics | None = None  # the engine's own, if fresh
+    metrics: EngineMetrics | None = None  # the engine's own, if fresh, with the router's own part brought up to now
     capacity_tokens: int | None = None  # GPU KV-cache capacity the engine reports
 
     @property
@@ -50,22 +50,28 @@ class Snapshot:
         self.candidates: list[Candidate] = []
         loads, metrics, capacity, feeds = state.load.workers, state.metrics, state.cache_tokens, state.feeder.feeds
         max_age, index_state, add = state.metrics_max_age_s, state.index_state_of, self.candidates.append
+        view = state.engine_view
         for wid, ep in state.endpoints.items():
             load = loads.get(wid)
             m = metrics.get(wid)
             st = index_state(wid, ep, feeds.get(wid), now)
             # positional (the CandidateReport fields, then the live facts): a decision builds one per worker
-            add(Candidate(wid, None, st, st == "synced", 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+            add(Candidate(wid, None, st, st == "synced", 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
                           load.requests if load else 0, ep, load,
-                          m.fresh(now, max_age) if m else None, capacity.get(wid)))
+                          view(wid, m.fresh(now, max_age)) if m else None, capacity.get(wid)))
         self.eligible: list[Candidate] = self.candidates
         self._matched: dict[str, PrefixMatch | None] | None = None
         self._best_held = 0
 
     @property
     def costs(self) -> CostModel:
-        """The engines' cost model, with what each worker's observed TTFTs taught it."""
+        """The engines' cost model, with what each worker's observed TTFTs and inter-token times taught it."""
         return self._state.cost
+
+    @property
+    def reuse(self) -> float:
+        """P(a block the fleet evicts is asked for again), as the fleet has shown it."""
+        return self._state.reuse.probability
 
     # ---- prefix matches (lazy) -----------------------------------------------------------------
     def prefix(self, cand: Candidate) -> PrefixMatch | None:

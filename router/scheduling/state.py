@@ -16,6 +16,7 @@ from router.index import KvIndex, Medium
 from router.index.speculative import SpeculativePrefixes
 from router.load import EngineMetrics, LoadTracker
 from router.scheduling.cost import CostModel, CostParams
+from router.scheduling.reuse import ReuseTracker
 from router.scheduling.types import Endpoint
 
 # index states in which a worker may be sent requests without harm to readiness (load-only or exact)
@@ -34,9 +35,13 @@ class FleetState:
         self.load = LoadTracker()
         self.speculative = SpeculativePrefixes(speculative_ttl_s)
         self.cost = CostModel(cost or CostParams())
+        self.reuse = ReuseTracker(prior=self.cost.params.reuse_prior)  # P(an evicted block is asked for again)
+        self.feeder.on_gpu_evicted = self.reuse.evicted
         self.endpoints: dict[str, Endpoint] = {}
         self.metrics: dict[str, EngineMetrics] = {}
         self.cache_tokens: dict[str, int] = {}  # per worker: GPU KV-cache capacity in tokens, when reported
+        # per worker: the router's own (waiting, running, KV blocks) there when its metrics were scraped
+        self.own_at_scrape: dict[str, tuple[int, int, int]] = {}
         # per worker: the first dispatch not yet followed by any KV event (for staleness)
         self.awaiting_events_since: dict[str, float] = {}
 
@@ -50,8 +55,9 @@ class FleetState:
         self.load.forget_worker(worker_id)
         self.speculative.forget_worker(worker_id)
         self.metrics.pop(worker_id, None)
+        self.own_at_scrape.pop(worker_id, None)
         self.cache_tokens.pop(worker_id, None)
-        self.cost.scale.pop(worker_id, None)
+        self.cost.forget(worker_id)
         self.awaiting_events_since.pop(worker_id, None)
 
     def update_metrics(self, worker_id: str, metrics: EngineMetrics) -> None:
@@ -63,8 +69,11 @@ class FleetState:
                 and metrics.work_tokens < prev.work_tokens):
             self.worker_failed(worker_id, metrics.scraped_at)
         self.metrics[worker_id] = metrics
-        if metrics.cache_tokens:
+        w = self.load.workers.get(worker_id)
+        self.own_at_scrape[worker_id] = (w.requests - w.decoding, w.decoding, w.active_blocks) if w else (0, 0, 0)
+        if metrics.cache_tokens and self.cache_tokens.get(worker_id) != metrics.cache_tokens:
             self.cache_tokens[worker_id] = metrics.cache_tokens
+            self.reuse.set_window(sum(self.cache_tokens.values()) // self.block_size)  # the fleet's cache
 
     def set_healthy(self, worker_id: str, healthy: bool) -> bool:
         """Health as the probes (or requests) found it; returns whether it changed."""
@@ -121,6 +130,29 @@ class FleetState:
         unknown, never zero (a dead scrape must not make a busy worker look idle)."""
         m = self.metrics.get(worker_id)
         return m.fresh(now, self.metrics_max_age_s) if m else None
+
+    def engine_view(self, worker_id: str, metrics: EngineMetrics | None) -> EngineMetrics | None:
+        """A scrape brought up to date: the engine's counts are the router's own requests plus others' (other
+        routers'); the scrape is up to a scrape interval old, and the router knows exactly what of its own has
+        started and ended since, so only the part of the counts beyond its own at scrape time is taken from the
+        engine. (A raw scrape would keep a worker that has just drained looking busy until the next one.)"""
+        if metrics is None:
+            return None
+        at = self.own_at_scrape.get(worker_id)
+        w = self.load.workers.get(worker_id)
+        if at is None or w is None:
+            return metrics
+        waiting, running = w.requests - w.decoding, w.decoding
+        if at == (waiting, running, w.active_blocks):
+            return metrics
+        m, cap = metrics, self.cache_tokens.get(worker_id)
+        kv = m.kv_usage
+        if kv is not None and cap:
+            blocks = cap // self.block_size
+            kv = min(1.0, (max(0.0, kv * blocks - at[2]) + w.active_blocks) / blocks)
+        return EngineMetrics(None if m.waiting is None else max(0.0, m.waiting - at[0]) + waiting,
+                             None if m.running is None else max(0.0, m.running - at[1]) + running,
+                             kv, m.scraped_at, m.cache_tokens, m.work_tokens)
 
     def index_state(self, worker_id: str, now: float) -> str:
         """synced | unsynced | unverified | stale | no-events: only 'synced' earns prefix credit.

@@ -64,6 +64,9 @@ class CandidateReport:
     ttft_s: float = 0.0
     interference_s: float = 0.0
     eviction_s: float = 0.0
+    step_s: float = 0.0  # the decode step it would see there (s per output token)
+    model_ttft_s: float = 0.0  # its TTFT by the engine timing alone, before the worker's fit (what the fit learns on)
+    model_step_s: float = 0.0
     score: float = 0.0
     inflight: int = 0
 

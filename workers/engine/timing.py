@@ -1,8 +1,9 @@
 """Step timing of the engine model: prefill cost of *uncached* tokens, decode cost of KV in use.
 
-Default calibration: NVIDIA Dynamo's mocker polynomials (REFERENCE.md section 5), themselves fitted to a
-real engine: prefill ms = 4.21e-7*T^2 + 1.518e-2*T + 16.5 (T = uncached tokens in the step) and decode step
-ms = -25.74*p^2 + 54.01*p + 5.74 (p = fraction of KV blocks in use). A step with prefill work carries the
+The shape and its default calibration live in ``router.scheduling.engine_profile.StepTiming`` (the router's
+cost model prices steps the same way): NVIDIA Dynamo's mocker polynomials (REFERENCE.md section 5), prefill
+ms = 4.21e-7*T^2 + 1.518e-2*T + 16.5 (T = uncached tokens in the step), decode step ms = -25.74*p^2 + 54.01*p
++ 5.74 (p = fraction of KV blocks in use). A step with prefill work carries the
 running decodes along, so it costs max(prefill, decode). CPU-tier hits cost a load-back per token.
 """
 
@@ -14,24 +15,12 @@ from pathlib import Path
 
 import yaml
 
+from router.scheduling.engine_profile import StepTiming
+
 
 @dataclass(frozen=True)
-class TimingModel:
-    prefill_a: float = 4.21e-7
-    prefill_b: float = 1.518e-2
-    prefill_c: float = 16.5
-    decode_a: float = -25.74
-    decode_b: float = 54.01
-    decode_c: float = 5.74
-    load_back_ms_per_token: float = 0.001
-
-    def prefill_ms(self, uncached_tokens: int) -> float:
-        t = uncached_tokens
-        return self.prefill_a * t * t + self.prefill_b * t + self.prefill_c if t > 0 else 0.0
-
-    def decode_ms(self, kv_usage: float) -> float:
-        p = min(max(kv_usage, 0.0), 1.0)
-        return max(0.0, self.decode_a * p * p + self.decode_b * p + self.decode_c)
+class TimingModel(StepTiming):
+    """The router's ``StepTiming`` (one shape, one set of defaults), with how a whole engine step adds up."""
 
     def step_ms(self, prefill_tokens: int, decode_reqs: int, kv_usage: float, load_back_tokens: int = 0) -> float:
         ms = self.prefill_ms(prefill_tokens)

@@ -20,7 +20,6 @@ from router.scheduling.plugins.pickers.random_pick import RandomPick
 from router.scheduling.plugins.pickers.round_robin import RoundRobin
 from router.scheduling.plugins.pickers.session_hash import SessionHash
 from router.scheduling.plugins.scorers.approx_prefix import ApproxPrefix
-from router.scheduling.plugins.scorers.decode_load import DecodeLoad
 from router.scheduling.plugins.scorers.latency_cost import LatencyCost
 from router.scheduling.plugins.scorers.load import Load
 from router.scheduling.plugins.scorers.peer_aibrix_prefix import AibrixPrefixCache
@@ -47,7 +46,7 @@ def register(cls: type[Plugin]) -> type[Plugin]:
 
 
 for _cls in (Healthy, NotDraining, InSubset, ServesModel, Admission,
-             LatencyCost, DecodeLoad, Load, ApproxPrefix,
+             LatencyCost, Load, ApproxPrefix,
              MinScore, RandomPick, RoundRobin, SessionHash,
              # the peers' algorithms (the llmd, llmd_affinity, dynamo, aibrix and preble profiles)
              LlmdPrecisePrefix, LlmdQueue, LlmdKvUtilization, LlmdTokenLoad, LlmdPrefixAffinity,

@@ -12,11 +12,12 @@ port as ``prefix-cache-preble``):
 Approximations (stated): Preble's load sums the requests of a 3-minute window; here it is what the router has in
 flight there: the prefill time of its pending uncached tokens (``WorkerLoad.pending_prefill_tokens``, already net of
 hits: the miss rate) plus decode = running requests (the router's decoding count, or the engine's running count when
-higher) x this request's ``max_tokens`` x the cost model's ``decode_step_s`` (Preble: active requests x mean output
-length x time per output token). Eviction: the uncached tokens beyond the worker's free room (capacity from
-``vllm:cache_config_info`` minus what the index says it holds), at their prefill price; unknown capacity, none. Times
-are the engines' cost model (``snap.costs.prefill_s``, as ``latency-cost`` prices prefill). Preble's replication of a
-prefix whose TTFT doubled inside the window, and its rebalancing, are not modelled.
+higher) x this request's ``max_tokens`` x the worker's decode step at its KV usage (half when unknown; Preble:
+active requests x mean output length x time per output token). Eviction: the uncached tokens beyond the worker's
+free room (capacity from ``vllm:cache_config_info`` minus what the index says it holds), at their prefill price;
+unknown capacity, none. Times are the engines' cost model (``snap.costs.prefill_s``, as ``latency-cost`` prices
+prefill). Preble's replication of a prefix whose TTFT doubled inside the window, and its rebalancing, are not
+modelled.
 Costs: in exploit the holders cost ``-1 / (1 + load)`` (below every explore cost, the least loaded first), the
 others their explore cost (the fallbacks); in explore every worker costs its explore cost, in seconds.
 """
@@ -49,7 +50,8 @@ class PrebleE2(Scorer):
         running = load.decoding if load else 0
         if m is not None and m.running is not None:
             running = max(running, int(m.running))
-        return queue, running * snap.request.max_tokens * costs.params.decode_step_s
+        usage = m.kv_usage if m is not None and m.kv_usage is not None else 0.5
+        return queue, running * snap.request.max_tokens * costs.profile(cand.worker_id).decode_step_s(usage)
 
     def score(self, snap: Snapshot, cands: Sequence[Candidate]) -> list[float]:
         req, costs, p = snap.request, snap.costs, self.params

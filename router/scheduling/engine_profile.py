@@ -1,0 +1,134 @@
+"""What one engine's steps cost, and what each worker's observed latencies teach about it.
+
+``StepTiming`` is the one place the step-cost shape and its defaults live (the engine model in ``workers/engine``
+subclasses it): a step that prefills ``T`` uncached tokens takes ``a T^2 + b T + c`` ms (attention is quadratic
+within a step), a decode step ``a p^2 + b p + c`` ms at ``p``, the fraction of KV blocks held by requests in flight
+(decode is memory-bound: every running request's KV is read each step). A step that prefills while others decode
+carries them along and lasts ``max(prefill, decode)``. Defaults: NVIDIA Dynamo's mocker polynomials, fitted by
+them to a real engine (REFERENCE.md section 5).
+
+``EngineProfile`` is one worker's: the timing, the step token budget, and two robust online fits that correct the
+timing from what the worker actually did: observed TTFT against the model's prediction (``overhead + speed x
+model``: a slower GPU, a different model, the HTTP and tokenizing time around it) and observed inter-token time
+against the model's decode step. Until samples arrive the fits sit at their prior (no overhead, speed 1), so the
+defaults rule; each sample moves them by least squares, with Huber weights so one stalled request cannot.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    prefill_a: float = 4.21e-7  # prefill step ms = a T^2 + b T + c (T: uncached tokens in the step)
+    prefill_b: float = 1.518e-2
+    prefill_c: float = 16.5
+    decode_a: float = -25.74  # decode step ms = a p^2 + b p + c (p: fraction of KV blocks in use)
+    decode_b: float = 54.01
+    decode_c: float = 5.74
+    load_back_ms_per_token: float = 0.001  # CPU tier -> GPU
+
+    def prefill_ms(self, uncached_tokens: float) -> float:
+        t = uncached_tokens
+        return self.prefill_a * t * t + self.prefill_b * t + self.prefill_c if t > 0 else 0.0
+
+    def decode_ms(self, kv_usage: float) -> float:
+        p = min(max(kv_usage, 0.0), 1.0)
+        return max(0.0, self.decode_a * p * p + self.decode_b * p + self.decode_c)
+
+
+DEFAULT_TIMING = StepTiming()
+
+
+class RobustLine:
+    """``y = intercept + slope x`` fitted to the last ``window`` samples by Huber-weighted least squares, pulled
+    towards a prior (``prior_samples`` pseudo-samples' worth): a few samples move it a little, many decide it.
+    Refitted every ``refit_every`` samples (a 2x2 solve over at most ``window`` points)."""
+
+    HUBER_K = 1.345  # Huber's constant: 95% efficiency on Gaussian residuals
+
+    def __init__(self, intercept: float = 0.0, slope: float = 1.0, *, window: int = 256, prior_samples: float = 4.0,
+                 refit_every: int = 8, slope_bounds: tuple[float, float] = (0.1, 10.0),
+                 fit_intercept: bool = True) -> None:
+        self.prior = (intercept, slope)
+        self.intercept, self.slope = intercept, slope
+        self.samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self.prior_samples = prior_samples
+        self.refit_every = max(1, refit_every)
+        self.slope_bounds = slope_bounds
+        self.fit_intercept = fit_intercept
+        self._since_fit = 0
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def predict(self, x: float) -> float:
+        return self.intercept + self.slope * x
+
+    def add(self, x: float, y: float) -> None:
+        if not (x > 0 and y > 0 and np.isfinite(x) and np.isfinite(y)):
+            return
+        self.samples.append((x, y))
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every or len(self.samples) < self.refit_every:
+            self._since_fit = 0
+            self.fit()
+
+    def fit(self) -> None:
+        if not self.samples:
+            return
+        xy = np.asarray(self.samples, dtype=float)
+        x, y = xy[:, 0], xy[:, 1]
+        a0, b0 = self.prior
+        # the prior as ``prior_samples`` points on the prior line, spread as the data are (so it pulls both
+        # parameters alike, however far the data sit from x = 0)
+        n0, mx, mxx = self.prior_samples, float(np.mean(x)), float(np.mean(x * x))
+        w = np.ones_like(x)
+        a, b = self.intercept, self.slope
+        for _ in range(4):
+            if self.fit_intercept:
+                sw, swx, swxx = w.sum() + n0, (w * x).sum() + n0 * mx, (w * x * x).sum() + n0 * mxx
+                swy = (w * y).sum() + n0 * (a0 + b0 * mx)
+                swxy = (w * x * y).sum() + n0 * (a0 * mx + b0 * mxx)
+                det = sw * swxx - swx * swx
+                if det <= 0:
+                    break
+                a, b = (swxx * swy - swx * swxy) / det, (sw * swxy - swx * swy) / det
+            else:
+                a = a0
+                b = ((w * x * (y - a0)).sum() + n0 * b0 * mxx) / ((w * x * x).sum() + n0 * mxx)
+            r = y - a - b * x
+            # residual scale: the MAD's, floored at 5% of a typical y (a near-perfect fit must not down-weight all)
+            scale = max(1.4826 * float(np.median(np.abs(r))), 0.05 * float(np.median(y)), 1e-12)
+            cut = self.HUBER_K * scale
+            w = np.minimum(1.0, cut / np.maximum(np.abs(r), 1e-300))
+        lo, hi = self.slope_bounds
+        self.slope = float(min(max(b, lo), hi))
+        self.intercept = float(max(a, 0.0))
+
+
+@dataclass
+class EngineProfile:
+    """One worker's step costs: the timing shape, corrected by what its TTFTs and inter-token times showed."""
+
+    timing: StepTiming = DEFAULT_TIMING
+    step_token_budget: int = 8192  # the engine's max_num_batched_tokens
+    ttft: RobustLine = field(default_factory=lambda: RobustLine(fit_intercept=False))  # observed TTFT vs the model's
+    decode: RobustLine = field(default_factory=lambda: RobustLine(fit_intercept=False))  # inter-token vs step
+
+    def decode_step_s(self, kv_usage: float) -> float:
+        """A decode step at this KV usage, as this worker runs them."""
+        return self.decode.predict(self.timing.decode_ms(kv_usage) / 1000.0)
+
+    def prefill_s(self, tokens: int, floor_s: float = 0.0) -> tuple[float, int]:
+        """Model seconds (before the TTFT fit) to prefill ``tokens`` in as few steps as the budget allows, each
+        step lasting at least ``floor_s`` (the decode step of the requests running beside it); and the steps."""
+        if tokens <= 0:
+            return 0.0, 0
+        steps = -(-tokens // max(self.step_token_budget, 1))
+        per_step = self.timing.prefill_ms(tokens / steps) / 1000.0
+        return steps * max(per_step, floor_s), steps
