@@ -87,6 +87,7 @@ class RouterConfig:
     max_attempts: int = 3
     probe_interval_s: float = 1.0
     upstream_timeout_s: float = 600.0
+    prefill_timeout_s: float = 30.0  # disaggregation: a prefill worker slower than this is given up on (fallback)
     decision_log_size: int = 100
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.discovery.static import WorkerSpec
+from router.discovery.static import ROLES, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ REPLAY_ANNOTATION = "kvrouter.io/kv-replay"
 TOPIC_ANNOTATION = "kvrouter.io/kv-topic"
 MODEL_ANNOTATION = "kvrouter.io/models"  # comma-separated served model names
 LORA_ANNOTATION = "kvrouter.io/loras"
+ROLE_LABEL = "llm-d.ai/role"  # prefill | decode | both (llm-d's convention); absent: both
 DEFAULT_EVENTS_PORT = 5557
 DEFAULT_REPLAY_PORT = 5558
 
@@ -106,13 +107,16 @@ class PodSet:
             replay = _endpoint(ann.get(REPLAY_ANNOTATION), ip, DEFAULT_REPLAY_PORT if events else None)
             models = frozenset(m.strip() for m in ann.get(MODEL_ANNOTATION, "").split(",") if m.strip())
             loras = frozenset(m.strip() for m in ann.get(LORA_ANNOTATION, "").split(",") if m.strip())
+            role = (_get(pod, "metadata", "labels") or {}).get(ROLE_LABEL) or "both"
+            if role not in ROLES:
+                role = "both"  # an unknown role serves as an ordinary worker
             for i, port in enumerate(self.target_ports):
                 wid = name if len(self.target_ports) == 1 else f"{name}:{port}"
                 # one engine per target port; its events port is the pod's plus the port's index (vLLM's DP rule)
                 ev = _shift(events, i)
                 rp = _shift(replay, i)
                 out.append(WorkerSpec(wid, f"http://{ip}:{port}", ev, rp, ann.get(TOPIC_ANNOTATION, ""), models,
-                                      loras))
+                                      loras, role))
         return sorted(out, key=lambda s: s.worker_id)
 
 

@@ -19,6 +19,9 @@ class DiscoveryError(ValueError):
     pass
 
 
+ROLES = ("both", "prefill", "decode")
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     worker_id: str
@@ -28,6 +31,7 @@ class WorkerSpec:
     topic: str = ""
     models: frozenset[str] = field(default_factory=frozenset)
     loras: frozenset[str] = field(default_factory=frozenset)
+    role: str = "both"  # prefill | decode | both (prefill/decode disaggregation)
 
     @property
     def address(self) -> str:
@@ -39,13 +43,16 @@ def _spec(entry: dict[str, Any], where: str) -> WorkerSpec:
     url = entry.get("url")
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise DiscoveryError(f"{where}: 'url' must be an http(s) URL, got {url!r}")
-    unknown = set(entry) - {"id", "url", "events", "replay", "topic", "models", "model", "loras"}
+    unknown = set(entry) - {"id", "url", "events", "replay", "topic", "models", "model", "loras", "role"}
     if unknown:
         raise DiscoveryError(f"{where}: unknown keys {sorted(unknown)}")
+    role = entry.get("role") or "both"
+    if role not in ROLES:
+        raise DiscoveryError(f"{where}: 'role' must be one of {ROLES}, got {role!r}")
     models = entry.get("models") or ([entry["model"]] if entry.get("model") else [])
     wid = entry.get("id") or urlsplit(url).netloc
     return WorkerSpec(str(wid), url.rstrip("/"), entry.get("events"), entry.get("replay"), entry.get("topic") or "",
-                      frozenset(models), frozenset(entry.get("loras") or []))
+                      frozenset(models), frozenset(entry.get("loras") or []), role)
 
 
 def parse_worker_arg(arg: str) -> WorkerSpec:

@@ -97,7 +97,7 @@ class Fleet:
         self.core.upsert_endpoint(Endpoint(
             spec.worker_id, spec.address, spec.models, spec.loras,
             healthy=prev.healthy if prev else True, draining=prev.draining if prev else False,
-            url=spec.url, events=bool(spec.events) or self.subscriber.bind is not None,
+            url=spec.url, events=bool(spec.events) or self.subscriber.bind is not None, role=spec.role,
         ))
         if spec.events:
             self.subscriber.add_source(EventSource(spec.worker_id, spec.events, spec.replay, spec.topic))

@@ -86,6 +86,9 @@ class RouterMetrics:
         self.hit_reported = Counter("kvrouter_prefix_hit_tokens_reported",
                                     "Prompt tokens the workers reported cached (usage.cached_tokens).", registry=r)
         self.prompt_tokens = Counter("kvrouter_prompt_tokens", "Prompt tokens routed.", registry=r)
+        self.disagg = Counter("kvrouter_disagg_requests", "Requests in a fleet with prefill workers, by how they were "
+                              "served: split (prefilled elsewhere), local (where they decode, by the decision), "
+                              "fallback (the prefill failed: served where they decode).", ["outcome"], registry=r)
         self.ttft = Histogram("kvrouter_time_to_first_token_seconds", "Time to first byte of output, through the "
                               "router.", buckets=TTFT_BUCKETS, registry=r)
         self.decision_seconds = Histogram("kvrouter_decision_seconds", "Time to parse, tokenize and decide.",

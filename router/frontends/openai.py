@@ -123,6 +123,16 @@ class ParsedRequest:
         return RouteRequest(request_id, keys, self.prompt_tokens, block_size, outputs, self.model, lora,
                             session, subset)
 
+    def with_fields(self, **fields: Any) -> bytes:
+        """The body to forward with ``fields`` set (None: removed), re-encoded."""
+        body = dict(self.body)
+        for k, v in fields.items():
+            if v is None:
+                body.pop(k, None)
+            else:
+                body[k] = v
+        return _json_encode(body)
+
     def split(self) -> list[ParsedRequest]:
         """A completions batch as one request per prompt: the body as parsed (salt rule applied) with that
         prompt alone, re-encoded."""
@@ -251,6 +261,9 @@ def parse_body(raw: bytes, path: str, tokenizer_for: Callable[[str | None], Prom
         body.pop("cache_salt", None)
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
+    # the prefill/decode handoff is the router's to set: a client's would have a decode worker pull KV from a host
+    # the client names, or a prefill worker hold blocks for nobody
+    reencode = not salt.trust_client or body.pop("kv_transfer_params", None) is not None
     _, tokenizer = _model_tokenizer(body, tokenizer_for)
     try:
         prompts = tokenizer.request_prompts(body, kind, max_model_len)
@@ -265,7 +278,7 @@ def parse_body(raw: bytes, path: str, tokenizer_for: Callable[[str | None], Prom
     token_ids = prompts[0] if len(prompts) == 1 else shared_prefix(prompts)
     if asked is None:
         asked = 1 if kind == "embeddings" else 16  # an embedding is one forward pass
-    return ParsedRequest(body, raw if salt.trust_client else _json_encode(body), chat, model, stream, asked,
+    return ParsedRequest(body, _json_encode(body) if reencode else raw, chat, model, stream, asked,
                          cache_salt, token_ids, kind, prompts, n or 1)
 
 

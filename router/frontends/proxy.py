@@ -43,6 +43,7 @@ from router.frontends.metrics import RouterMetrics
 from router.frontends.openai import BadRequest, ParsedRequest, RequestParser, SaltRule, merge_completions, salt_rule
 from router.frontends.openai import error_response as error
 from router.scheduling import Decision, Dispatch, RouteRequest, RoutingCore
+from router.scheduling.disagg import PrefillPlan
 from router.tokenizer import PromptTokenizer, load_tokenizer
 
 log = logging.getLogger("kvrouter.proxy")
@@ -170,8 +171,62 @@ class ProxyServer:
         decision = self._decide(rreq, request, started)
         if decision.outcome != "routed":
             return self._refusal(decision)
-        return await self._forward(request, rreq, parsed, decision, parsed.raw, self._upstream_headers(request, salt),
-                                   started)
+        headers = self._upstream_headers(request, salt)
+        body = parsed.raw
+        if parsed.kind in ("completions", "chat") and parsed.n == 1:
+            plan = self.core.plan_prefill(rreq, decision, time.monotonic())
+            if decision.disagg is not None and self.decisions:
+                self.decisions[-1]["disagg"] = decision.disagg  # the split, in /debug/decision
+            if plan is not None:
+                body = await self._prefill_elsewhere(request.path, parsed, plan, headers)
+            elif decision.disagg is not None:
+                self.metrics.disagg.labels("local").inc()
+        return await self._forward(request, rreq, parsed, decision, body, headers, started)
+
+    async def _prefill_elsewhere(self, path: str, parsed: ParsedRequest, plan: PrefillPlan,
+                                 headers: dict[str, str]) -> bytes:
+        """The prefill half of a split request, vLLM's NixlConnector convention (as llm-d's sidecar runs it): the
+        prompt with ``max_tokens: 1``, not streamed, ``kv_transfer_params.do_remote_decode``; its answer's
+        ``kv_transfer_params`` go into the decode request. Returns the decode request's body: with them, or, if
+        the prefill failed (unreachable, an error, a timeout, no params), the client's own: the decode worker
+        then prefills it itself (aggregated), and the client sees no difference but the time."""
+        assert self._session is not None
+        ep = self.core.endpoints.get(plan.worker_id)
+        handle = self.core.dispatch(plan.request, plan.decision, plan.worker_id, time.monotonic())
+        one = {"max_completion_tokens": 1} if parsed.chat and "max_completion_tokens" in parsed.body else {}
+        body = parsed.with_fields(max_tokens=1, **one, stream=False, stream_options=None, n=None,
+                                  kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
+                                                      "remote_engine_id": None, "remote_block_ids": None,
+                                                      "remote_host": None, "remote_port": None})
+        params: Any = None
+        why = ""
+        try:
+            if ep is None:
+                raise aiohttp.ClientConnectionError(f"prefill worker {plan.worker_id} is gone")
+            timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s)
+            async with self._session.post(ep.url + path, data=body, headers=headers, timeout=timeout) as up:
+                answer = await up.read() if up.status == 200 else b""
+                why = f"answered {up.status}"
+            if answer:
+                params = json.loads(answer).get("kv_transfer_params")
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as e:
+            why = repr(e)
+            self.fleet.mark_failure(plan.worker_id)
+        except asyncio.CancelledError:
+            handle.fail(time.monotonic())
+            raise
+        now = time.monotonic()
+        if isinstance(params, dict) and params.get("do_remote_prefill"):
+            handle.first_token(now, learn=False)
+            handle.complete(now)
+            self.metrics.disagg.labels("split").inc()
+            return parsed.with_fields(kv_transfer_params=params)
+        handle.fail(now)
+        plan.fall_back()
+        log.warning("prefill on %s failed (%s): %s prefilled where it decodes", plan.worker_id, why or "no "
+                    "kv_transfer_params", plan.request.request_id)
+        self.metrics.disagg.labels("fallback").inc()
+        return parsed.raw
 
     def _decide(self, rreq: RouteRequest, request: web.Request, started: float,
                 batch_index: int | None = None) -> Decision:

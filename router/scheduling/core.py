@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from router.events.feed import IndexFeeder
 from router.load import EngineMetrics
 from router.scheduling.cost import CostParams
+from router.scheduling.disagg import DisaggParams, PrefillPlan, plan_prefill
 from router.scheduling.lifecycle import Dispatch
 from router.scheduling.plugins.filters.admission import SATURATED
 from router.scheduling.profiles import (
@@ -41,6 +42,7 @@ class RoutingConfig:
     metrics_max_age_s: float = 2.0
     approx_capacity_blocks: int = 2_000_000
     cost: CostParams = field(default_factory=CostParams)
+    disaggregation: DisaggParams = field(default_factory=DisaggParams)  # with prefill workers in the fleet
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     seed: int | None = None
 
@@ -129,18 +131,19 @@ class RoutingCore:
         return self.state.readiness(now)
 
     # ---- deciding ----------------------------------------------------------------------------
-    def decide(self, req: RouteRequest, now: float) -> Decision:
+    def decide(self, req: RouteRequest, now: float, exclude: frozenset[str] = frozenset()) -> Decision:
+        """``exclude``: workers this decision may not pick (the decode worker, when choosing its prefill one)."""
         profile = self.profile
         snap = Snapshot(self.state, req, now)
         decision = Decision(profile.name)
         eligible, filtered = [], []
         filters = [f.filter for f in profile.filters]
         for c in snap.candidates:
-            reason = None
+            reason = "excluded: the request's decode worker" if c.worker_id in exclude else None
             for f in filters:
-                reason = f(snap, c)
                 if reason:
                     break
+                reason = f(snap, c)
             c.filtered = reason
             (filtered if reason else eligible).append(c)
         if not eligible:
@@ -175,6 +178,11 @@ class RoutingCore:
             decision.reason = profile.name if not profile.scorers else f"{profile.name}: score {chosen.score:.4g}"
         decision.candidates = [*eligible, *filtered]
         return decision
+
+    def plan_prefill(self, req: RouteRequest, decision: Decision, now: float) -> PrefillPlan | None:
+        """Prefill/decode disaggregation (router/scheduling/disagg.py): the prefill half of ``decision``'s
+        request, when splitting pays (``decision.disagg`` says why, either way); None: served where it decodes."""
+        return plan_prefill(self, req, decision, self.config.disaggregation, now)
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def dispatch(self, req: RouteRequest, decision: Decision, worker_id: str, now: float) -> Dispatch:

@@ -15,7 +15,10 @@ from router.index import Medium, PrefixMatch
 from router.load import EngineMetrics, WorkerLoad, tail_blocks
 from router.scheduling.cost import CostModel
 from router.scheduling.state import FleetState
-from router.scheduling.types import CandidateReport, Endpoint, RouteRequest
+from router.scheduling.types import REPORT_FIELDS, CandidateReport, Endpoint, RouteRequest
+
+# the CandidateReport fields from queue_s to score, as a new candidate starts them
+_NO_COSTS = (0.0,) * (REPORT_FIELDS.index("score") - REPORT_FIELDS.index("queue_s") + 1)
 
 
 @dataclass(slots=True)
@@ -56,8 +59,7 @@ class Snapshot:
             m = metrics.get(wid)
             st = index_state(wid, ep, feeds.get(wid), now)
             # positional (the CandidateReport fields, then the live facts): a decision builds one per worker
-            add(Candidate(wid, None, st, st == "synced", 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
-                          load.requests if load else 0, ep, load,
+            add(Candidate(wid, None, st, st == "synced", 0, 0, 0, 0, *_NO_COSTS, load.requests if load else 0, ep, load,
                           view(wid, m.fresh(now, max_age)) if m else None, capacity.get(wid)))
         self.eligible: list[Candidate] = self.candidates
         self._matched: dict[str, PrefixMatch | None] | None = None

@@ -26,8 +26,13 @@ class Endpoint:
     draining: bool = False
     url: str = ""  # http base URL, for the proxy
     events: bool = True  # publishes KV events (else it can only ever be routed on load)
+    role: str = "both"  # prefill | decode | both (prefill/decode disaggregation: router/scheduling/disagg.py)
 
-    def serves(self, model: str | None, lora: str | None) -> bool:
+    def serves(self, model: str | None, lora: str | None, role: str = "decode") -> bool:
+        """``role``: what the request asks of it: ``decode`` (generate: every request, aggregated or the decode
+        side of a split) or ``prefill`` (compute the prompt's KV for a decode worker)."""
+        if self.role != "both" and self.role != role:
+            return False
         if lora:
             return lora in self.loras
         return not self.models or model is None or model in self.models
@@ -44,6 +49,7 @@ class RouteRequest:
     lora: str | None = None
     session: str | None = None  # session affinity key (e.g. a header value)
     subset: frozenset[str] | None = None  # worker ids or addresses the gateway allows
+    role: str = "decode"  # decode (generate) | prefill (the prefill half of a disaggregated request)
 
 
 @dataclass(slots=True)
@@ -63,6 +69,7 @@ class CandidateReport:
     decode_s: float = 0.0
     ttft_s: float = 0.0
     interference_s: float = 0.0
+    stall_s: float = 0.0  # of interference_s: the decode steps its prefill stalls there
     eviction_s: float = 0.0
     step_s: float = 0.0  # the decode step it would see there (s per output token)
     model_ttft_s: float = 0.0  # its TTFT by the engine timing alone, before the worker's fit (what the fit learns on)
@@ -91,6 +98,7 @@ class Decision:
     retry_after_s: float = 1.0
     uncached_tokens: int = 0  # estimated on the chosen worker
     predicted_ttft_s: float | None = None
+    disagg: dict[str, Any] | None = None  # the prefill/decode split considered for it (PrefillPlan.explain)
 
     @property
     def chosen(self) -> str | None:
@@ -99,4 +107,5 @@ class Decision:
     def as_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "outcome": self.outcome, "reason": self.reason, "ranked": self.ranked,
                 "uncached_tokens": self.uncached_tokens, "predicted_ttft_s": self.predicted_ttft_s,
+                "disagg": self.disagg,
                 "candidates": [c.as_dict() for c in self.candidates]}

@@ -58,6 +58,11 @@ class EngineRequest:
     block_tokens: list[bytes | memoryview] = field(default_factory=list)  # per full block, beside its hash
     num_cached_tokens: int | None = None  # prompt tokens served from cache, fixed at first admission
     load_back_tokens: int = 0
+    # prefill/decode disaggregation: prompt tokens whose KV a prefill engine computed and sent here (full
+    # blocks; the driver adds the request once the transfer has arrived); what of it was not cached here already
+    # is admitted as received: stored in the pool (and published) without being computed
+    remote_kv_tokens: int = 0
+    external_tokens: int = 0  # prompt tokens received from the prefill engine at admission
     first_token_at: float | None = None
     finished_at: float | None = None
     status: Status = Status.WAITING
@@ -121,6 +126,7 @@ class StepResult:
 class EngineStats:
     prefix_queries_tokens: int = 0
     prefix_hits_tokens: int = 0
+    external_tokens: int = 0  # prompt tokens admitted as received from a prefill engine
     preemptions: int = 0
     steps: int = 0
     finished: int = 0
@@ -230,19 +236,29 @@ class EngineModel:
         max_hit_blocks = (req.num_tokens - 1) // bs  # the last token is always computed
         hashes = self._hashes_upto(req, max_hit_blocks)
         gpu_hits, cpu_hits = self.pool.lookup(hashes)
-        hit_blocks = len(gpu_hits) + cpu_hits
+        received = 0
+        remote_blocks = min(req.remote_kv_tokens // bs, max_hit_blocks) if req.num_cached_tokens is None else 0
+        if remote_blocks > len(gpu_hits):  # the transfer brings what the local cache lacks (CPU hits unused)
+            cpu_hits = 0
+            received = remote_blocks - len(gpu_hits)
+        hit_blocks = len(gpu_hits) + cpu_hits + received
         cached = hit_blocks * bs
         n = min(req.num_tokens - cached, budget)
         new_blocks = self._blocks_for(cached + n) - hit_blocks
         free_after_touch = self.pool.num_free - sum(1 for b in gpu_hits if self.pool.blocks[b].ref_cnt == 0)
-        if new_blocks + cpu_hits > free_after_touch:
+        if new_blocks + cpu_hits + received > free_after_touch:
             return 0, 0
         self.pool.touch(gpu_hits)
-        loaded = self.pool.load_from_cpu(self._contents(req, len(gpu_hits), hit_blocks))
-        req.block_ids = gpu_hits + loaded + self.pool.allocate(new_blocks)
+        loaded = self.pool.load_from_cpu(self._contents(req, len(gpu_hits), len(gpu_hits) + cpu_hits))
+        arrived = self.pool.allocate(received)
+        if received:  # the received blocks are full and final: cached (and published) like computed ones
+            self.pool.cache_full_blocks(arrived, self._contents(req, len(gpu_hits), remote_blocks))
+        req.block_ids = gpu_hits + loaded + arrived + self.pool.allocate(new_blocks)
         req.num_computed = cached
         if req.num_cached_tokens is None:
-            req.num_cached_tokens = cached
+            req.num_cached_tokens = cached - received * bs
+            req.external_tokens = received * bs
+            self.stats.external_tokens += received * bs
             req.load_back_tokens = cpu_hits * bs
             self.stats.prefix_queries_tokens += len(req.prompt)
             self.stats.prefix_hits_tokens += cached

@@ -7,6 +7,10 @@ hands produced tokens to the waiting HTTP handlers. Responses, SSE framing, usag
 
 Served as vLLM serves them: completions batches (``prompt`` a list of strings or token-id lists; ``n``
 samples per prompt; choice ``prompt_index * n + j``, usage and cached tokens summed, streamed interleaved),
+prefill/decode disaggregation with vLLM's NixlConnector convention (``kv_transfer_params``: a prefill request
+with ``do_remote_decode`` answers with the params a decode worker needs; a decode request with
+``do_remote_prefill`` pulls the blocks from the prefill worker named there, over HTTP here, in the modelled
+transfer time, and admits them into its pool as received, not computed: ``disagg`` in this module's docs below),
 ``/v1/embeddings`` (a fake unit vector per input of ``EMBED_DIM`` floats, deterministic in its token ids; the
 inputs are prefilled by the engine model so their blocks are cached and announced, no cached-token count,
 as vLLM), ``/v1/responses`` (``instructions`` + ``input`` through the chat template; the Responses event
@@ -26,13 +30,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import numpy as np
 import xxhash
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 from router.frontends.openai import error_response as error
+from router.scheduling.disagg import DisaggParams
 from router.tokenizer import PromptError, PromptTokenizer
 from workers.engine import EngineModel, EngineRequest, TokenOutput
 from workers.engine.metrics import engine_metric_families
@@ -44,6 +50,19 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 MAX_BODY = 64 * 1024 * 1024
 MAX_N = 64  # choices per prompt
 EMBED_DIM = 8  # the fake embedding's dimension
+KV_HOLD_S = 30.0  # how long a prefill worker holds a finished prefill's blocks for its decode worker to pull
+
+
+@dataclass
+class KvLink:
+    """The modelled KV transfer between a prefill and a decode worker (the router's ``DisaggParams`` defaults)."""
+
+    kv_bytes_per_token: int = DisaggParams.kv_bytes_per_token
+    link_gbit_s: float = DisaggParams.link_gbit_s
+    setup_s: float = DisaggParams.transfer_setup_s
+
+    def transfer_s(self, tokens: int) -> float:
+        return self.setup_s + tokens * self.kv_bytes_per_token * 8 / (self.link_gbit_s * 1e9)
 
 
 def fake_embedding(ids: list[int], fmt: str = "float") -> list[float] | str:
@@ -91,6 +110,18 @@ class _Metrics:
         buckets.append(("+Inf", acc + w.ttft_counts[-1]))
         h.add_metric(lv, buckets, w.ttft_sum)
         yield h
+        # the KV handoff (the simulated worker's own names: vLLM's connectors report in their logs)
+        for name, doc, value in (
+                ("kvsim:kv_transfer_sent_blocks", "Prompt blocks pulled from this prefill worker.", w.kv_sent_blocks),
+                ("kvsim:kv_transfer_received_blocks", "Prompt blocks received from prefill workers.",
+                 w.kv_received_blocks),
+                ("kvsim:kv_transfer_pull_failures", "Pulls that failed (the prompt was prefilled here).",
+                 w.kv_pull_failures),
+                ("kvsim:external_computed_tokens", "Prompt tokens admitted as computed elsewhere.",
+                 e.stats.external_tokens)):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(lv, value)
+            yield c
 
 
 class SimWorker:
@@ -118,6 +149,13 @@ class SimWorker:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Metrics(self))  # type: ignore[arg-type]
         self.created = int(time.time())
+        self.engine_id = uuid.uuid4().hex  # names this engine in the kv_transfer_params it hands out
+        self.link = KvLink()
+        # finished prefills held for a decode worker: remote_request_id -> (block hashes, held until)
+        self._held: dict[str, tuple[list[int], float]] = {}
+        self.kv_sent_blocks = 0
+        self.kv_received_blocks = 0
+        self.kv_pull_failures = 0
 
     # ---- engine loop ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -183,6 +221,7 @@ class SimWorker:
             web.get("/metrics", self.metrics),
             web.post("/reset_prefix_cache", self.reset_prefix_cache),
             web.post("/fault", self.fault),
+            web.post("/kv_transfer/pull", self.kv_pull),
             web.get("/version", self.version),
         ])
 
@@ -238,8 +277,14 @@ class SimWorker:
         if body.get("stream") not in (None, True, False):
             return error(400, "stream must be true or false")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
+        kv = body.get("kv_transfer_params")
+        if kv is not None and (not isinstance(kv, dict) or len(prompts) != 1 or n != 1):
+            return error(400, "kv_transfer_params must be an object, for one prompt and n = 1")
+        remote_tokens = 0
+        if kv and kv.get("do_remote_prefill"):
+            remote_tokens = await self._pull_kv(kv, prompts[0], salt)
         # choice i * n + j: prompt i's j-th sample (one engine request each; the copies share the prompt's blocks)
-        submitted = self._submit(rid, [ids for ids in prompts for _ in range(n)], max_tokens, salt)
+        submitted = self._submit(rid, [ids for ids in prompts for _ in range(n)], max_tokens, salt, remote_tokens)
         if isinstance(submitted, web.Response):
             return submitted
         reqs, queue = submitted
@@ -249,11 +294,17 @@ class SimWorker:
         try:
             if stream:
                 return await self._stream(request, rid, reqs, queue, chat, include_usage, n)
-            return await self._complete(rid, reqs, queue, chat, n)
+            handoff = None
+            if kv and kv.get("do_remote_decode"):  # a prefill for a decode worker: hold its blocks for the pull
+                handoff = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+                           "remote_request_id": rid, "remote_host": request.url.host,
+                           "remote_port": request.url.port, "tp_size": 1}
+            return await self._complete(rid, reqs, queue, chat, n, handoff)
         finally:
             self._release(reqs)
 
-    def _submit(self, rid: str, prompts: list[list[int]], max_tokens: int, salt: str | None
+    def _submit(self, rid: str, prompts: list[list[int]], max_tokens: int, salt: str | None,
+                remote_kv_tokens: int = 0
                 ) -> tuple[list[EngineRequest], asyncio.Queue[TokenOutput | None]] | web.Response:
         """One engine request per prompt, all feeding one queue (outputs name their request)."""
         queue: asyncio.Queue[TokenOutput | None] = asyncio.Queue()
@@ -261,7 +312,7 @@ class SimWorker:
         now = time.monotonic()
         for i, ids in enumerate(prompts):
             req = EngineRequest(rid if len(prompts) == 1 else f"{rid}-{i}", ids, max_tokens, cache_salt=salt,
-                                arrival=now)
+                                arrival=now, remote_kv_tokens=remote_kv_tokens)
             try:
                 self.engine.add_request(req)
             except ValueError as e:
@@ -303,7 +354,9 @@ class SimWorker:
             "prompt_tokens": n_in,
             "total_tokens": n_in + n_out,
             "completion_tokens": n_out,
-            "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens or 0 for r in firsts)},
+            # as vLLM counts them: tokens not computed here, from its cache or received from a prefill worker
+            "prompt_tokens_details": {"cached_tokens": sum((r.num_cached_tokens or 0) + r.external_tokens
+                                                           for r in firsts)},
         }
 
     def _record_ttft(self, req: EngineRequest) -> None:
@@ -316,10 +369,16 @@ class SimWorker:
         self.ttft_counts[-1] += 1
 
     async def _complete(self, rid: str, reqs: list[EngineRequest], queue: asyncio.Queue[TokenOutput | None],
-                        chat: bool, n: int) -> web.Response:
+                        chat: bool, n: int, handoff: dict[str, Any] | None = None) -> web.Response:
         tokens = await self._collect(reqs, queue)
         if tokens is None:
             return error(503, "the engine stopped serving this request", "ServiceUnavailableError")
+        if handoff is not None:
+            req = reqs[0]
+            full = len(req.prompt) // self.engine.config.block_size
+            hashes = list(self.engine._hashes_upto(req, full))
+            self._hold(rid, hashes)
+            handoff["remote_block_ids"] = list(range(len(hashes)))  # positions of the prompt's full blocks
         choices: list[dict[str, Any]] = []
         for i, req in enumerate(reqs):
             text = self.tokenizer.decode(tokens[req])
@@ -333,8 +392,55 @@ class SimWorker:
         return web.json_response({
             "id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.model, "choices": choices,
-            "usage": self._usage(reqs, n), "kv_transfer_params": None,
+            "usage": self._usage(reqs, n), "kv_transfer_params": handoff,
         })
+
+    # ---- disaggregation: the KV handoff -----------------------------------------------------------
+    def _hold(self, rid: str, hashes: list[int]) -> None:
+        now = time.monotonic()
+        for k in [k for k, (_, until) in self._held.items() if until < now]:
+            del self._held[k]  # never pulled: released, as vLLM's prefill side times out
+        self._held[rid] = (hashes, now + KV_HOLD_S)
+
+    async def kv_pull(self, request: web.Request) -> web.Response:
+        """A decode worker pulls a held prefill: the block hashes it computed (the blocks themselves are
+        modelled, their transfer time is the decode side's); released once pulled."""
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error(400, "request body is not valid JSON")
+        held = self._held.pop(str(body.get("remote_request_id")) if isinstance(body, dict) else "", None)
+        if held is None:
+            return error(404, "no such held prefill (never made, already pulled, or expired)", "NotFoundError")
+        self.kv_sent_blocks += len(held[0])
+        return web.json_response({"engine_id": self.engine_id, "block_hashes": held[0]})
+
+    async def _pull_kv(self, kv: dict[str, Any], prompt: list[int], salt: str | None) -> int:
+        """Prompt tokens whose KV the prefill worker sent (0: the pull failed; vLLM's
+        ``kv_load_failure_policy: recompute``, the prompt is prefilled here). The received hashes must be this
+        prompt's own, block for block: blocks of another prompt are never admitted."""
+        host, port, rrid = kv.get("remote_host"), kv.get("remote_port"), kv.get("remote_request_id")
+        if not isinstance(host, str) or type(port) is not int or not isinstance(rrid, str):
+            self.kv_pull_failures += 1
+            return 0
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session, \
+                    session.post(f"http://{host}:{port}/kv_transfer/pull", json={"remote_request_id": rrid}) as r:
+                got = await r.json() if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            got = None
+        hashes = got.get("block_hashes") if isinstance(got, dict) else None
+        probe = EngineRequest("probe", prompt, 1, cache_salt=salt)
+        mine = self.engine._hashes_upto(probe, len(prompt) // self.engine.config.block_size)
+        if not isinstance(hashes, list) or not hashes or hashes != mine[: len(hashes)]:
+            self.kv_pull_failures += 1
+            return 0
+        tokens = len(hashes) * self.engine.config.block_size
+        delay = self.link.transfer_s(tokens) * self.time_scale
+        if delay > 0:
+            await asyncio.sleep(delay)
+        self.kv_received_blocks += len(hashes)
+        return tokens
 
     async def _stream(self, request: web.Request, rid: str, reqs: list[EngineRequest],
                       queue: asyncio.Queue[TokenOutput | None], chat: bool, include_usage: bool,

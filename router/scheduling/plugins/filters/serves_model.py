@@ -1,4 +1,5 @@
-"""``serves-model``: only workers serving the requested model (or LoRA adapter)."""
+"""``serves-model``: only workers serving the requested model (or LoRA adapter) in the requested role (a
+prefill-only worker never generates; a decode-only one never prefills for another)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ class ServesModel(Filter):
 
     def filter(self, snap: Snapshot, cand: Candidate) -> str | None:
         req = snap.request
-        if cand.endpoint.serves(req.model, req.lora):
+        if cand.endpoint.serves(req.model, req.lora, req.role):
             return None
+        if cand.endpoint.role not in ("both", req.role):
+            return f"role {cand.endpoint.role}: not a {req.role} worker"
         return f"does not serve {'LoRA ' + req.lora if req.lora else 'model ' + str(req.model)}"

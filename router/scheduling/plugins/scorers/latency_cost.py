@@ -46,6 +46,7 @@ class LatencyCost(Scorer):
                            memory_wait_s=memory_wait(c, step), reuse=reuse)
             r.queue_s, r.prefill_s, r.decode_s, r.ttft_s = est.queue_s, est.prefill_s, est.decode_s, est.ttft_s
             r.interference_s, r.eviction_s, r.step_s = est.interference_s, est.eviction_s, est.step_s
+            r.stall_s = est.stall_s
             r.model_ttft_s, r.model_step_s = est.model_ttft_s, est.model_step_s
             if weight is not None:
                 est.kv_load_weight = weight
