@@ -8,7 +8,9 @@ import sys
 import time
 
 from router.scheduling import BUILTIN_PROFILES as POLICIES
-from sim.oracle import ORACLE
+from router.scheduling import RoutingConfig
+from router.scheduling.disagg import MODES, DisaggParams
+from sim.oracle import ORACLE, oracle_routing
 from sim.report import Progress, plots, stable_json, table
 from sim.runner import SimConfig, Simulation, pooled, summarise
 from sim.suite import SUITES
@@ -26,6 +28,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="every profile plus the oracle over a set of scenarios (sim/suite.py); "
                           "--quick, --scenarios, --policies, --json and --plots apply")
     p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--prefill-workers", type=int, default=0,
+                   help="prefill/decode disaggregation: the first P workers only prefill")
+    p.add_argument("--decode-workers", type=int, default=0,
+                   help="the next D only decode (the rest of --workers do both; --workers grows to P + D)")
+    p.add_argument("--pd-mode", choices=MODES, default="conditional",
+                   help="split every request (always), when it pays by the objective (conditional), or never")
+    p.add_argument("--kv-bytes-per-token", type=int, default=DisaggParams.kv_bytes_per_token,
+                   help="KV bytes a prompt token transfers (model shape: 2 x layers x KV heads x head dim x dtype)")
+    p.add_argument("--link-gbit-s", type=float, default=DisaggParams.link_gbit_s, help="KV transfer link")
     p.add_argument("--policies", default=None,
                    help=f"comma-separated, from {sorted([*POLICIES, ORACLE])} (oracle: the precise objective on the "
                         "engines' true state, sim only); default: " + DEFAULT_POLICIES + ", or with --suite "
@@ -90,13 +101,17 @@ def run(args: argparse.Namespace) -> int:
         1, _prompt_tokens(requests))
     results, summaries = {}, {}
     started = time.perf_counter()
+    roles = pd_roles(args)
     for name in policies:
-        runs = [Simulation(w, SimConfig(workers=args.workers, policy=name, engine=engine, seed=seed)).run(
+        runs = [Simulation(w, SimConfig(workers=args.workers, policy=name, engine=engine, seed=seed, roles=roles,
+                                        routing=pd_routing(args, name, seed) if roles else None)).run(
                     Progress(name, enabled=False if args.json or len(workloads) > 1 else None))
                 for seed, w in zip(range(args.seed, args.seed + len(workloads)), workloads, strict=True)]
         results[name] = runs[0] if len(runs) == 1 else pooled(runs)
         summaries[name] = summarise(results[name])
     extra = {"source": source, "requests": len(requests), "workers": args.workers, "speedup": args.speedup,
+             "prefill_workers": args.prefill_workers, "decode_workers": args.decode_workers,
+             "pd_mode": args.pd_mode if roles else None,
              "block_size": args.block_size, "gpu_blocks": args.gpu_blocks, "seed": args.seed, "seeds": len(workloads),
              "wall_s": round(time.perf_counter() - started, 2)}
     if args.json:
@@ -111,6 +126,22 @@ def run(args: argparse.Namespace) -> int:
         for path in plots(results, args.plots):
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def pd_roles(args: argparse.Namespace) -> dict[int, str]:
+    """Worker index -> role, from --prefill-workers / --decode-workers (empty: an aggregated fleet)."""
+    p, d = args.prefill_workers, args.decode_workers
+    if not p and not d:
+        return {}
+    args.workers = max(args.workers, p + d)
+    return {i: "prefill" if i < p else "decode" if i < p + d else "both" for i in range(args.workers)}
+
+
+def pd_routing(args: argparse.Namespace, policy: str, seed: int) -> RoutingConfig:
+    pd = DisaggParams(args.pd_mode, kv_bytes_per_token=args.kv_bytes_per_token, link_gbit_s=args.link_gbit_s)
+    base = RoutingConfig(policy=policy if policy != ORACLE else "precise", block_size=args.block_size, seed=seed,
+                         disaggregation=pd)
+    return oracle_routing(args.block_size, seed, base) if policy == ORACLE else base
 
 
 def _workload(args: argparse.Namespace, seed: int) -> list[SimRequest]:

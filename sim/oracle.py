@@ -128,16 +128,16 @@ class OracleCost(Scorer):
             raise RuntimeError(f"{TYPE_NAME} scores simulated requests only (Simulation.decide)")
         r, tokens = sim.deciding
         req = snap.request
-        if r.request_id != req.request_id:
+        if req.request_id != r.request_id and not req.request_id.startswith(r.request_id + ":"):  # or its prefill
             raise RuntimeError(f"{TYPE_NAME}: deciding {req.request_id}, the simulation says {r.request_id}")
         bs = req.block_size
-        hashes = self.prompt_hashes(r.request_id, tokens, r.output_len)
-        views = [self.true_view(c.worker_id, hashes, len(tokens), r.output_len) for c in cands]
+        hashes = self.prompt_hashes(r.request_id, tokens, req.max_tokens)
+        views = [self.true_view(c.worker_id, hashes, len(tokens), req.max_tokens) for c in cands]
         out = []
         for c, v in zip(cands, views, strict=True):
             cost = self._cost(c.worker_id, snap.costs.params)
             est = cost.estimate(c.worker_id, len(tokens), bs, PrefixMatch(v.gpu_blocks, v.cpu_blocks), v.load,
-                                v.metrics, max_tokens=r.output_len, new_blocks=v.new_blocks,
+                                v.metrics, max_tokens=req.max_tokens, new_blocks=v.new_blocks,
                                 resident_tokens=v.resident_tokens, capacity_tokens=v.capacity_tokens,
                                 memory_wait_s=v.memory_wait_s, reuse=snap.reuse, remaining_tokens=v.remaining_tokens)
             c.matched_gpu, c.matched_cpu, c.matched_storage, c.speculative = v.gpu_blocks, v.cpu_blocks, 0, 0

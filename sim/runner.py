@@ -27,7 +27,7 @@ from sim.workload import SimRequest
 from workers.engine import EngineConfig, EngineModel, EngineRequest, StepResult
 from workers.engine.metrics import engine_metrics_text
 
-SCRAPE, ARRIVE, STEP_END, EVENTS, RESTART = 0, 1, 2, 3, 4
+SCRAPE, ARRIVE, STEP_END, EVENTS, RESTART, KV_ARRIVE = 0, 1, 2, 3, 4, 5
 
 
 @dataclass
@@ -52,6 +52,9 @@ class SimConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     engines: dict[int, EngineConfig] = field(default_factory=dict)  # per-worker overrides (same block size)
     routing: RoutingConfig | None = None  # default: RoutingConfig(policy, block size of the engine)
+    # prefill/decode disaggregation: per worker index, prefill | decode | both (default both); the KV transfer
+    # between them takes the routing config's DisaggParams.transfer_s (the router prices the link it has)
+    roles: dict[int, str] = field(default_factory=dict)
     faults: dict[int, EventFaults] = field(default_factory=dict)
     seed: int = 0
     scrape_interval_s: float = 1.0  # the live fleet's probe interval (0: no metrics)
@@ -108,7 +111,10 @@ class Simulation:
         self.engines = {w: EngineModel(self.engine_configs[w]) for w in self.ids}
         self.generation = dict.fromkeys(self.ids, 0)  # engine process generation: a restart starts a new one
         for i, w in enumerate(self.ids):
-            self.core.upsert_endpoint(Endpoint(w, f"10.0.0.{i + 1}:8000"))
+            self.core.upsert_endpoint(Endpoint(w, f"10.0.0.{i + 1}:8000", role=config.roles.get(i, "both")))
+        self.disaggregated = any(r in ("prefill", "decode") for r in config.roles.values())
+        # split requests: prefill request id -> (the client's request, its tokens, its decode worker, prefill worker)
+        self.prefilling: dict[str, tuple[SimRequest, np.ndarray, str, str]] = {}
         self.busy = dict.fromkeys(self.ids, False)
         self.seq = dict.fromkeys(self.ids, 0)
         self.published: dict[str, list[EventBatch]] = {w: [] for w in self.ids}  # the replay buffer
@@ -177,6 +183,8 @@ class Simulation:
                 self._scrape(now)
                 if self.next_arrival < total or any(e.has_work for e in self.engines.values()):
                     self._push(now + self.config.scrape_interval_s, SCRAPE, None)
+            elif kind == KV_ARRIVE:
+                self._kv_arrived(data, now)  # type: ignore[arg-type]
             elif kind == RESTART:
                 lost = self._restart(data, now)  # type: ignore[arg-type]
                 done += lost
@@ -223,13 +231,30 @@ class Simulation:
             rec.outcome, rec.worker = decision.outcome, None
             return False
         w = decision.ranked[0]
+        plan = None
+        if self.disaggregated:
+            self.deciding = (r, tokens)  # the prefill worker's decision is this request's too (sim plugins)
+            try:
+                plan = self.core.plan_prefill(rr, decision, now)
+            finally:
+                self.deciding = None
         self.core.dispatch(rr, decision, w, now)
+        if plan is not None:  # the prompt is computed there, then its KV sent to ``w``
+            w = plan.worker_id
+            self.core.dispatch(plan.request, plan.decision, w, now)
+            self.prefilling[plan.request.request_id] = (r, tokens, decision.ranked[0], w)
+            rid, out_len = plan.request.request_id, 1
+        else:
+            rid, out_len = r.request_id, r.output_len
         try:
-            self.engines[w].add_request(EngineRequest(r.request_id, tokens, r.output_len, arrival=now))
+            self.engines[w].add_request(EngineRequest(rid, tokens, out_len, arrival=now))
         except ValueError as e:
             # what a real engine (and workers.sim) answers with a 400: the router sees the request end at once
             rec.outcome, rec.error = "rejected", str(e)
             self.core.completed(r.request_id, now, served=False)
+            if plan is not None:
+                del self.prefilling[rid]
+                self.core.completed(rid, now, served=False)
             return False
         if not self.busy[w]:
             self._start_step(w, now)
@@ -259,6 +284,10 @@ class Simulation:
     def _step_end(self, w: str, result: StepResult, now: float) -> list[RequestRecord]:
         finished = []
         for out in result.outputs:
+            split = self.prefilling.pop(out.request.request_id, None) if self.prefilling else None
+            if split is not None:  # a prefill done: its KV goes to the decode worker
+                self._prefilled(out.request, split, now)
+                continue
             rec = self.records[out.request.request_id]
             rec.output_tokens += out.count
             if out.first:
@@ -275,6 +304,26 @@ class Simulation:
         if self.engines[w].has_work:
             self._start_step(w, now)
         return finished
+
+    def _prefilled(self, req: EngineRequest, split: tuple[SimRequest, np.ndarray, str, str], now: float) -> None:
+        r, tokens, decode, _ = split
+        self.core.first_token(req.request_id, now, learn=False)
+        self.core.completed(req.request_id, now, output_tokens=1)
+        rec = self.records[r.request_id]
+        rec.cached_tokens = req.num_cached_tokens or 0  # the prompt's prefix hit was the prefill worker's
+        full = len(tokens) // self.block_size * self.block_size
+        arrive = now + self.core.config.disaggregation.transfer_s(full)
+        self._push(arrive, KV_ARRIVE, (decode, self.generation[decode], r, tokens, full))
+
+    def _kv_arrived(self, item: tuple[str, int, SimRequest, np.ndarray, int], now: float) -> None:
+        w, gen, r, tokens, full = item
+        rec = self.records[r.request_id]
+        if gen != self.generation[w] or rec.outcome != "routed":
+            return  # the decode worker restarted meanwhile: the request failed with it
+        self.engines[w].add_request(EngineRequest(r.request_id, tokens, r.output_len, arrival=r.arrival,
+                                                  remote_kv_tokens=full))
+        if not self.busy[w]:
+            self._start_step(w, now)
 
     def _publish(self, w: str, events: list, now: float) -> None:
         f = self.config.faults.get(self.ids.index(w))
@@ -306,6 +355,17 @@ class Simulation:
             if d is not None:  # the client's stream ends in an error
                 (d.complete if rec.first_token_at is not None else d.fail)(now)
             lost += 1
+        for rid, (r, tokens, decode, prefill) in list(self.prefilling.items()):
+            if prefill == w:  # its prefill worker died: the decode worker prefills it itself (the proxy's fallback)
+                del self.prefilling[rid]
+                d = self.core.dispatches.get(rid)
+                if d is not None:
+                    d.fail(now)
+                if decode != w:
+                    self.engines[decode].add_request(EngineRequest(r.request_id, tokens, r.output_len,
+                                                                   arrival=r.arrival))
+                    if not self.busy[decode]:
+                        self._start_step(decode, now)
         self.engines[w] = EngineModel(self.engine_configs[w])
         self.generation[w] += 1
         self.busy[w] = False

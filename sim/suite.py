@@ -68,6 +68,7 @@ class Setup:
     engines: dict[int, EngineConfig] = field(default_factory=dict)  # per-worker overrides
     faults: dict[int, EventFaults] = field(default_factory=dict)
     restart_busiest_at: float | None = None
+    roles: dict[int, str] = field(default_factory=dict)  # prefill/decode disaggregation (default: all both)
     notes: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -158,6 +159,15 @@ def _event_delay(quick: bool, _: Path) -> Setup:
                  faults={i: EventFaults(delay_s=0.2) for i in range(workers)}, notes={"event_delay_s": 0.2})
 
 
+def _disaggregated(quick: bool, trace: Path) -> Setup:
+    """The heavy trace on 2 prefill-only and 6 decode-only workers, each split decided by the objective (the
+    routing config's default ``conditional`` mode)."""
+    setup = _trace("trace_heavy")(quick, trace)
+    setup.roles = {i: "prefill" if i < 2 else "decode" for i in range(setup.workers)}
+    setup.notes["roles"] = "2 prefill : 6 decode"
+    return setup
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("trace_light", "Mooncake conversation trace, ~1.2x least_loaded's unloaded mean TTFT",
              _trace("trace_light"), needs_trace=True),
@@ -181,6 +191,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("event_delay", "shared-prefix bursts (32 groups x 16, a group's prompts back to back), every event "
              "200 ms late",
              _event_delay),
+    Scenario("disaggregated", "the heavy trace on 2 prefill + 6 decode workers, split when it pays",
+             _disaggregated, needs_trace=True),
 )}
 SUITES = {"standard": tuple(SCENARIOS)}
 
@@ -211,7 +223,8 @@ def run_scenario(scenario: Scenario, policies: Sequence[str], quick: bool = Fals
             if name == ORACLE:
                 routing = oracle_routing(setup.engine.block_size, seed, routing)
         cfg = SimConfig(workers=setup.workers, policy=name, engine=setup.engine, engines=setup.engines,
-                        faults=setup.faults, seed=seed, restart_busiest_at=setup.restart_busiest_at, routing=routing)
+                        faults=setup.faults, seed=seed, restart_busiest_at=setup.restart_busiest_at, routing=routing,
+                        roles=setup.roles)
         res = Simulation(setup.requests, cfg).run()
         s = summarise(res)
         results[name] = {k: s[k] for k in SUMMARY_KEYS}

@@ -233,3 +233,24 @@ async def test_disagg_a_decode_worker_checks_the_blocks_it_is_sent_are_its_promp
     finally:
         await pw.stop()
         await dw.stop()
+
+
+# ---- the endpoint picker behind a real Envoy ----------------------------------------------------------------------
+
+async def test_disagg_picker_names_the_prefill_worker_and_overwrites_a_clients_header(tmp_path):
+    """Envoy is sent to the decode worker with the prefill worker in ``x-prefiller-host-port`` (llm-d's sidecar
+    convention); a client's own value for it never survives: overwritten when split, removed when not."""
+    from tests.test_epp_robustness import gateway_with, post, recording_workers
+
+    async with recording_workers(2) as ws:
+        ws[0].role, ws[1].role = "prefill", "decode"
+        for mode, expect in (("always", f"127.0.0.1:{ws[0].port}"), ("never", None)):
+            async with gateway_with(ws, tmp_path, disaggregation=DisaggParams(mode)) as (url, _), \
+                    aiohttp.ClientSession() as s:
+                before = len(ws[1].seen.generate())
+                st, out = await post(s, url + "/v1/completions", {"prompt": SYSTEM + mode, "max_tokens": 4},
+                                     headers={"x-prefiller-host-port": "10.6.6.6:1"})
+                assert st == 200 and out["choices"][0]["text"]
+                seen = ws[1].seen.generate()[before:]
+                assert len(seen) == 1 and not ws[0].seen.generate()  # Envoy went to the decode worker only
+                assert seen[0].get("x-prefiller-host-port") == expect

@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -127,3 +128,31 @@ def test_timing_file_overrides_and_rejects_unknown_keys(tmp_path):
     p.write_text("prefil_c: 1.0\n")
     with pytest.raises(ValueError, match="unknown timing keys"):
         TimingModel.from_file(p)
+
+
+def test_disagg_a_request_whose_kv_was_sent_is_admitted_with_its_blocks_received_not_computed():
+    """Prefill/decode disaggregation on the engine model: the prompt's full blocks arrive from a prefill engine;
+    the decode engine stores and publishes them, computes only the rest (the partial block), and generates what an
+    aggregated engine generates."""
+    from router.events.codec import BlockStored
+
+    prompt = np.arange(1000, 1000 + 16 * 10 + 5, dtype=np.uint32)  # 10 full blocks + 5 tokens
+    agg, dec = EngineModel(EngineConfig(num_gpu_blocks=64)), EngineModel(EngineConfig(num_gpu_blocks=64))
+    agg.add_request(a := EngineRequest("a", prompt, 4))
+    dec.add_request(d := EngineRequest("d", prompt, 4, remote_kv_tokens=160))
+    first = dec.step(0.0)
+    assert first.prefill_tokens == 5  # the partial block only: the 160 sent tokens are not computed
+    stored = [e for e in first.events if isinstance(e, BlockStored)]
+    assert sum(len(e.block_hashes) for e in stored) == 10  # received blocks are cached and announced
+    assert d.num_cached_tokens == 0 and d.external_tokens == 160 and dec.stats.external_tokens == 160
+    t = 0.0
+    while agg.has_work:
+        t += agg.step(t).duration_s
+    while dec.has_work:
+        dec.step(0.0)
+    assert d.output == a.output
+    # a cache hit there first: only what it lacked is received
+    again = EngineRequest("again", prompt, 2, remote_kv_tokens=160)
+    dec.add_request(again)
+    dec.step(1.0)
+    assert again.num_cached_tokens == 160 and again.external_tokens == 0

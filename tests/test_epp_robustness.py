@@ -59,6 +59,7 @@ class Worker:
     runner: web.AppRunner
     port: int
     seen: Seen
+    role: str = "both"  # prefill | decode | both
 
     @property
     def url(self) -> str:
@@ -67,7 +68,7 @@ class Worker:
     def spec(self, wid: str) -> WorkerSpec:
         pub = self.worker.publisher
         assert pub is not None
-        return WorkerSpec(wid, self.url, pub.endpoint, pub.replay_endpoint)
+        return WorkerSpec(wid, self.url, pub.endpoint, pub.replay_endpoint, role=self.role)
 
     async def stop(self) -> None:
         await self.runner.cleanup()

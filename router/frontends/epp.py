@@ -51,6 +51,7 @@ from router.tokenizer import PromptTokenizer
 log = logging.getLogger("kvrouter.epp")
 
 DEST_HEADER = "x-gateway-destination-endpoint"
+PREFILLER_HEADER = "x-prefiller-host-port"  # llm-d's routing sidecar: the prefill pod of a split request
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
@@ -69,6 +70,7 @@ class _Stream:
     full_duplex: bool = True
     subset: frozenset[str] | None = None
     handle: Dispatch | None = None  # the request lifecycle, once routed
+    prefill: Dispatch | None = None  # the prefill half's, when split (the decode pod's sidecar runs it)
     started: float = 0.0
     first_byte: bool = False
     streamed: bool = False
@@ -77,10 +79,18 @@ class _Stream:
     refused: bool = False  # answered with an ImmediateResponse: nothing more to read from this stream
 
 
-def _header_mutation(address: str) -> pb.HeaderMutation:
-    return pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=DEST_HEADER, raw_value=address.encode()),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)])
+def _header_mutation(address: str, prefiller: str | None = None) -> pb.HeaderMutation:
+    """The destination (always overwritten), and the prefill worker of a split request in llm-d's sidecar header;
+    without one, a client's own ``x-prefiller-host-port`` is removed: it would have the decode pod's sidecar
+    prefill on a host the client names."""
+    overwrite = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+    headers = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=DEST_HEADER, raw_value=address.encode()),
+                                          append_action=overwrite)]
+    if prefiller is None:
+        return pb.HeaderMutation(set_headers=headers, remove_headers=[PREFILLER_HEADER])
+    headers.append(base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=PREFILLER_HEADER, raw_value=prefiller.encode()), append_action=overwrite))
+    return pb.HeaderMutation(set_headers=headers)
 
 
 def _lb_metadata(addresses: list[str]) -> struct_pb2.Struct:
@@ -183,6 +193,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                     chunk = req.response_body.body
                     if not st.first_byte and chunk:
                         st.first_byte = True
+                        self._prefill_done(st)
                         if st.handle is not None and st.streamed:
                             st.handle.first_token(time.monotonic())
                             self.metrics.ttft.observe(time.monotonic() - st.started)
@@ -196,6 +207,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                     self._finish(st)
                     yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
         finally:
+            self._prefill_done(st)
             if st.handle is not None and not st.handle.ended:
                 st.handle.complete(time.monotonic())  # client or Envoy went away
 
@@ -263,9 +275,18 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         if decision.outcome != "routed":
             st.refused = True
             return [self._refusal(decision)]
+        prefiller = None
+        if api_path(path) in GENERATE_PATHS and parsed.kind in ("completions", "chat") and parsed.n == 1:
+            plan = self.core.plan_prefill(rreq, decision, time.monotonic())
+            if plan is not None:
+                prefiller = self.core.endpoints[plan.worker_id].address
+                st.prefill = self.core.dispatch(plan.request, plan.decision, plan.worker_id, time.monotonic())
+                self.metrics.disagg.labels("split").inc()
+            elif decision.disagg is not None:
+                self.metrics.disagg.labels("local").inc()
         addrs = self._addresses(decision)
         st.handle = self.core.dispatch(rreq, decision, decision.ranked[0], time.monotonic())
-        common = pb.CommonResponse(header_mutation=_header_mutation(addrs[0]), clear_route_cache=True)
+        common = pb.CommonResponse(header_mutation=_header_mutation(addrs[0], prefiller), clear_route_cache=True)
         md = _lb_metadata(addrs)
         if not st.full_duplex:  # BUFFERED: headers already answered; mutate them with the body response
             if body != bytes(st.body):
@@ -310,7 +331,16 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             self.fleet.mark_failure(picked)
             st.handle.reassign(wid, time.monotonic())
 
+    @staticmethod
+    def _prefill_done(st: _Stream) -> None:
+        """The decode pod answering means its sidecar's prefill is over (the picker never sees it itself)."""
+        if st.prefill is not None and not st.prefill.ended:
+            now = time.monotonic()
+            st.prefill.first_token(now, learn=False)
+            st.prefill.complete(now)
+
     def _finish(self, st: _Stream) -> None:
+        self._prefill_done(st)
         handle = st.handle
         if handle is None or handle.ended:
             return

@@ -187,9 +187,11 @@ class ProxyServer:
                                  headers: dict[str, str]) -> bytes:
         """The prefill half of a split request, vLLM's NixlConnector convention (as llm-d's sidecar runs it): the
         prompt with ``max_tokens: 1``, not streamed, ``kv_transfer_params.do_remote_decode``; its answer's
-        ``kv_transfer_params`` go into the decode request. Returns the decode request's body: with them, or, if
-        the prefill failed (unreachable, an error, a timeout, no params), the client's own: the decode worker
-        then prefills it itself (aggregated), and the client sees no difference but the time."""
+        ``kv_transfer_params`` go into the decode request (a connector handing the KV over out of band, such as
+        vLLM's shared-storage ExampleConnector, answers none: the decode request goes as the client sent it).
+        Returns the decode request's body; if the prefill failed (unreachable, an error, a timeout), the client's
+        own: the decode worker then prefills it itself (aggregated), and the client sees no difference but the
+        time."""
         assert self._session is not None
         ep = self.core.endpoints.get(plan.worker_id)
         handle = self.core.dispatch(plan.request, plan.decision, plan.worker_id, time.monotonic())
@@ -199,32 +201,37 @@ class ProxyServer:
                                                       "remote_engine_id": None, "remote_block_ids": None,
                                                       "remote_host": None, "remote_port": None})
         params: Any = None
+        ok = False
         why = ""
         try:
             if ep is None:
                 raise aiohttp.ClientConnectionError(f"prefill worker {plan.worker_id} is gone")
             timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s)
             async with self._session.post(ep.url + path, data=body, headers=headers, timeout=timeout) as up:
-                answer = await up.read() if up.status == 200 else b""
+                answer = await up.read()
                 why = f"answered {up.status}"
-            if answer:
+                ok = up.status == 200
+            if ok:
                 params = json.loads(answer).get("kv_transfer_params")
         except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as e:
-            why = repr(e)
+            ok, why = False, repr(e)
             self.fleet.mark_failure(plan.worker_id)
         except asyncio.CancelledError:
             handle.fail(time.monotonic())
             raise
         now = time.monotonic()
-        if isinstance(params, dict) and params.get("do_remote_prefill"):
+        if ok:
             handle.first_token(now, learn=False)
             handle.complete(now)
             self.metrics.disagg.labels("split").inc()
-            return parsed.with_fields(kv_transfer_params=params)
+            if isinstance(params, dict):
+                return parsed.with_fields(kv_transfer_params=params)
+            # no params: a connector that hands the KV over out of band (vLLM's ExampleConnector: shared storage)
+            return parsed.raw
         handle.fail(now)
         plan.fall_back()
-        log.warning("prefill on %s failed (%s): %s prefilled where it decodes", plan.worker_id, why or "no "
-                    "kv_transfer_params", plan.request.request_id)
+        log.warning("prefill on %s failed (%s): %s prefilled where it decodes", plan.worker_id, why,
+                    plan.request.request_id)
         self.metrics.disagg.labels("fallback").inc()
         return parsed.raw
 

@@ -53,6 +53,7 @@ class Engine:
     model: Path
     log: Path
     proc: subprocess.Popen | None = None
+    extra: tuple[str, ...] = ()  # more engine flags (a --kv-transfer-config)
 
     @property
     def url(self) -> str:
@@ -72,7 +73,7 @@ class Engine:
         cmd = vllm_command(str(self.model), self.port, python=str(VLLM_PY), host="127.0.0.1",
                            events_endpoint=f"tcp://[::ffff:127.0.0.1]:{self.events_port}",
                            replay_endpoint=f"tcp://[::ffff:127.0.0.1]:{self.replay_port}", block_size=BLOCK,
-                           num_gpu_blocks=GPU_BLOCKS, served_name="tiny", max_model_len=1024)
+                           num_gpu_blocks=GPU_BLOCKS, served_name="tiny", max_model_len=1024, extra=list(self.extra))
         log = open(self.log, "ab")  # noqa: SIM115
         # its own process group: the API server forks the engine core and workers, all killed together
         self.proc = subprocess.Popen(["taskset", "-c", str(self.core), *cmd], env=cpu_env(self.core),

@@ -38,10 +38,11 @@ async def reset(session, engines) -> None:
 
 
 @contextlib.asynccontextmanager
-async def proxy(engines, policy="precise"):
+async def proxy(engines, policy="precise", specs=None, **overrides):
+    """``specs``: worker arguments instead of the engines' own (a role, say); ``overrides``: config keys."""
     cfg = load_config(None, {"routing.block_size": BLOCK, "routing.policy": policy, "probe_interval_s": 0.5,
-                             "routing.speculative_ttl_s": 0.5})
-    cfg.workers = [parse_worker_arg(e.spec) for e in engines]
+                             "routing.speculative_ttl_s": 0.5, **overrides})
+    cfg.workers = [parse_worker_arg(x) for x in (specs or [e.spec for e in engines])]
     server = ProxyServer(cfg)
     await server.start()
     runner = web.AppRunner(server.app(), access_log=None)
