@@ -254,3 +254,16 @@ async def test_disagg_picker_names_the_prefill_worker_and_overwrites_a_clients_h
                 seen = ws[1].seen.generate()[before:]
                 assert len(seen) == 1 and not ws[0].seen.generate()  # Envoy went to the decode worker only
                 assert seen[0].get("x-prefiller-host-port") == expect
+
+
+def test_disagg_a_fleet_without_prefill_workers_never_splits():
+    """Ordinary workers (role both) can prefill for a decode worker only in a fleet that has prefill workers."""
+    core = RoutingCore(RoutingConfig(block_size=BS, seed=0, disaggregation=DisaggParams("always")))
+    for i in range(3):
+        core.upsert_endpoint(Endpoint(f"w{i}", f"10.0.0.{i}:8000"))
+    req = RouteRequest("r", request_keys(list(range(3200)), BS), 3200, BS)
+    d = core.decide(req, 0.0)
+    assert core.plan_prefill(req, d, 0.0) is None and d.disagg is None
+    core.upsert_endpoint(Endpoint("p0", "10.0.0.9:8000", role="prefill"))
+    d = core.decide(req, 0.0)
+    assert core.plan_prefill(req, d, 0.0) is not None

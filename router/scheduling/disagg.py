@@ -82,8 +82,9 @@ def plan_prefill(core: RoutingCore, req: RouteRequest, decision: Decision, param
     decode_id = decision.chosen
     if params.mode == "never" or decode_id is None or decision.outcome != "routed":
         return None
-    if not any(ep.role == "prefill" or (ep.role == "both" and ep.worker_id != decode_id)
-               for ep in core.endpoints.values()):
+    # a fleet is disaggregated when it has prefill workers; then workers of both roles may prefill too, but a fleet
+    # of ordinary workers never splits a request between two of them
+    if not any(ep.role == "prefill" for ep in core.endpoints.values()):
         return None
     local_s = _split_costs(core, req, decode_id, now)
     preq = prefill_request(req)
