@@ -87,16 +87,16 @@ def test_suite_table_and_plots(tmp_path, capsys):
 
 def test_cost_overrides_apply_to_every_profile(capsys):
     """``--cost kv_load_weight=0`` makes precise the precise_ttft profile (the same objective, TTFT first)."""
-    base = ["--suite", "standard", "--quick", "--scenarios", "shared_prefix", "--json"]
+    base = ["--suite", "standard", "--quick", "--scenarios", "hot_prefix", "--json"]
     assert _cli([*base, "--policies", "precise_ttft,precise"]) == 0
-    plain = json.loads(capsys.readouterr().out)["scenarios"]["shared_prefix"]["policies"]
+    plain = json.loads(capsys.readouterr().out)["scenarios"]["hot_prefix"]["policies"]
     assert _cli([*base, "--policies", "precise", "--cost", "kv_load_weight=0"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["cost"]["kv_load_weight"] == 0
     def figures(r):
         return {k: v for k, v in r.items() if k != "wall_s"}
 
-    assert figures(got["scenarios"]["shared_prefix"]["policies"]["precise"]) == figures(plain["precise_ttft"])
+    assert figures(got["scenarios"]["hot_prefix"]["policies"]["precise"]) == figures(plain["precise_ttft"])
     assert figures(plain["precise"]) != figures(plain["precise_ttft"])
     assert _cli([*base, "--cost", "nope=1"]) == 2
 

@@ -8,7 +8,8 @@ the workers that generate: role ``decode`` or ``both``). Then the split is price
              prefill stalls for the requests running there (the reason to split at all)
     remote = the best prefill worker's queue + prefill of what *it* lacks + the stall there (none on a pure
              prefill worker) + the KV transfer of the whole prompt (bytes per token from the model shape over
-             the link) + the decode worker's own step for the last, partial block
+             the link) + the decode worker's queue (the KV is admitted there behind the prefill pending, first
+             come first served) + its step for the last, partial block
 
 ``conditional`` splits when remote < local (a short uncached part is faster prefilled where it decodes),
 ``always`` whenever a prefill worker is eligible, ``never`` not at all. The prefill worker is chosen by the same
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from router.scheduling.plugins.scorers.latency_cost import LatencyCost
-from router.scheduling.snapshot import Snapshot
+from router.scheduling.snapshot import Candidate, Snapshot
 from router.scheduling.types import Decision, RouteRequest
 
 if TYPE_CHECKING:
@@ -86,7 +87,8 @@ def plan_prefill(core: RoutingCore, req: RouteRequest, decision: Decision, param
     # of ordinary workers never splits a request between two of them
     if not any(ep.role == "prefill" for ep in core.endpoints.values()):
         return None
-    local_s = _split_costs(core, req, decode_id, now)
+    here = _priced(core, req, decode_id, now)
+    local_s = here.queue_s + here.prefill_s + here.stall_s + here.eviction_s
     preq = prefill_request(req)
     pdec = core.decide(preq, now, exclude=frozenset({decode_id}))
     transfer = params.transfer_s(req.prompt_tokens)
@@ -97,10 +99,11 @@ def plan_prefill(core: RoutingCore, req: RouteRequest, decision: Decision, param
         info.update(prefill=None, split=False, reason=f"no prefill worker: {pdec.reason}")
         return None
     prefill_id = pdec.chosen
-    prefill_cost = _split_costs(core, preq, prefill_id, now)
-    # the decode worker still computes the last, partial block beside its decodes: one step
-    step = next((c.step_s for c in decision.candidates if c.worker_id == decode_id), 0.0)
-    remote_s = prefill_cost + transfer + step
+    there = _priced(core, preq, prefill_id, now)
+    # the KV arrives to the decode worker's queue: it is admitted behind the prefill pending there (FCFS), then
+    # computes its last, partial block beside the decodes: one step
+    remote_s = (there.queue_s + there.prefill_s + there.stall_s + there.eviction_s + transfer + here.queue_s
+                + here.step_s)
     split = params.mode == "always" or remote_s < local_s
     info.update(prefill=prefill_id, remote_s=round(remote_s, 6), split=split,
                 reason=("always split" if params.mode == "always" else
@@ -111,14 +114,14 @@ def plan_prefill(core: RoutingCore, req: RouteRequest, decision: Decision, param
     return PrefillPlan(prefill_id, preq, pdec, local_s, remote_s, transfer, undo)
 
 
-def _split_costs(core: RoutingCore, req: RouteRequest, worker_id: str, now: float) -> float:
-    """Queue + prefill + the stall it brings + what it evicts, of prefilling ``req`` on ``worker_id``: the routing
-    objective's own scorer on that one candidate."""
+def _priced(core: RoutingCore, req: RouteRequest, worker_id: str, now: float) -> Candidate:
+    """``req`` on ``worker_id`` priced by the routing objective's own scorer (its queue, prefill, stall, eviction
+    and decode step there), whatever the profile's scorers are."""
     snap = Snapshot(core.state, req, now)
     cand = next(c for c in snap.candidates if c.worker_id == worker_id)
     snap.eligible = [cand]
     LatencyCost().score(snap, [cand])
-    return cand.queue_s + cand.prefill_s + cand.stall_s + cand.eviction_s
+    return cand
 
 
 def _credit_transfer(decision: Decision, req: RouteRequest) -> Callable[[], None]:
