@@ -111,16 +111,25 @@ class Estimate:
 @dataclass
 class CostModel:
     params: CostParams = field(default_factory=CostParams)
-    profiles: dict[str, EngineProfile] = field(default_factory=dict)  # per worker, learned
+    profiles: dict[str, EngineProfile] = field(default_factory=dict)  # per worker, once it has taught something
+
+    def __post_init__(self) -> None:
+        self._default = self._new_profile()  # what a worker not observed yet is priced by (never fitted)
+
+    def _new_profile(self) -> EngineProfile:
+        p = self.params
+        return EngineProfile(p.timing, p.step_token_budget,
+                             RobustLine(window=p.fit_window, prior_samples=p.fit_prior_samples, fit_intercept=False),
+                             RobustLine(window=p.fit_window, prior_samples=p.fit_prior_samples, fit_intercept=False))
 
     def profile(self, worker_id: str) -> EngineProfile:
+        """The worker's fitted profile, or the timing as given for one not observed yet (a query: creates none)."""
+        return self.profiles.get(worker_id) or self._default
+
+    def _learning(self, worker_id: str) -> EngineProfile:
         prof = self.profiles.get(worker_id)
         if prof is None:
-            p = self.params
-            prof = self.profiles[worker_id] = EngineProfile(
-                p.timing, p.step_token_budget,
-                RobustLine(window=p.fit_window, prior_samples=p.fit_prior_samples, fit_intercept=False),
-                RobustLine(window=p.fit_window, prior_samples=p.fit_prior_samples, fit_intercept=False))
+            prof = self.profiles[worker_id] = self._new_profile()
         return prof
 
     def forget(self, worker_id: str) -> None:
@@ -128,7 +137,7 @@ class CostModel:
 
     def prefill_s(self, tokens: int, worker_id: str | None = None) -> float:
         """Seconds to prefill ``tokens`` alone on an idle worker (the default profile when none is named)."""
-        prof = self.profile(worker_id) if worker_id else self.profile("")
+        prof = self.profile(worker_id) if worker_id else self._default
         model, _ = prof.prefill_s(tokens)
         return prof.ttft.slope * model if model else 0.0
 
@@ -203,9 +212,9 @@ class CostModel:
     def observe_ttft(self, worker_id: str, model_s: float | None, observed_s: float) -> None:
         """One observed TTFT against the timing shape's prediction for it (``Estimate.model_ttft_s``)."""
         if self.params.learn and model_s and model_s > 0:
-            self.profile(worker_id).ttft.add(model_s, observed_s)
+            self._learning(worker_id).ttft.add(model_s, observed_s)
 
     def observe_step(self, worker_id: str, model_step_s: float | None, observed_s: float) -> None:
         """One request's observed mean inter-token time against the model's decode step for it."""
         if self.params.learn and model_step_s and model_step_s > 0:
-            self.profile(worker_id).decode.add(model_step_s, observed_s)
+            self._learning(worker_id).decode.add(model_step_s, observed_s)

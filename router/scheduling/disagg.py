@@ -85,7 +85,7 @@ def plan_prefill(core: RoutingCore, req: RouteRequest, decision: Decision, param
         return None
     # a fleet is disaggregated when it has prefill workers; then workers of both roles may prefill too, but a fleet
     # of ordinary workers never splits a request between two of them
-    if not any(ep.role == "prefill" for ep in core.endpoints.values()):
+    if not core.state.prefill_only:
         return None
     here = _priced(core, req, decode_id, now)
     local_s = here.queue_s + here.prefill_s + here.stall_s + here.eviction_s

@@ -8,10 +8,11 @@ carries them along and lasts ``max(prefill, decode)``. Defaults: NVIDIA Dynamo's
 them to a real engine (REFERENCE.md section 5).
 
 ``EngineProfile`` is one worker's: the timing, the step token budget, and two robust online fits that correct the
-timing from what the worker actually did: observed TTFT against the model's prediction (``overhead + speed x
-model``: a slower GPU, a different model, the HTTP and tokenizing time around it) and observed inter-token time
-against the model's decode step. Until samples arrive the fits sit at their prior (no overhead, speed 1), so the
-defaults rule; each sample moves them by least squares, with Huber weights so one stalled request cannot.
+timing from what the worker actually did: observed TTFT against the model's prediction (``speed x model``, a line
+through the origin that long TTFTs weigh most: a slower GPU, a different model; the few milliseconds of HTTP and
+tokenizing around a short one barely move it) and observed inter-token time against the model's decode step.
+Until samples arrive the fits sit at their prior (speed 1), so the defaults rule; each sample moves them by least
+squares, with Huber weights so one stalled request cannot. ``RobustLine`` can fit an intercept too.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ class FleetState:
         self.reuse = ReuseTracker(prior=self.cost.params.reuse_prior)  # P(an evicted block is asked for again)
         self.feeder.on_gpu_evicted = self.reuse.evicted
         self.endpoints: dict[str, Endpoint] = {}
+        self.prefill_only: set[str] = set()  # workers whose role is prefill: the fleet is disaggregated if any
         self.metrics: dict[str, EngineMetrics] = {}
         self.cache_tokens: dict[str, int] = {}  # per worker: GPU KV-cache capacity in tokens, when reported
         # per worker: the router's own (waiting, running, KV blocks) there when its metrics were scraped
@@ -48,9 +49,14 @@ class FleetState:
     # ---- writes ------------------------------------------------------------------------------
     def upsert_endpoint(self, ep: Endpoint) -> None:
         self.endpoints[ep.worker_id] = ep
+        if ep.role == "prefill":
+            self.prefill_only.add(ep.worker_id)
+        else:
+            self.prefill_only.discard(ep.worker_id)
 
     def remove_endpoint(self, worker_id: str) -> None:
         self.endpoints.pop(worker_id, None)
+        self.prefill_only.discard(worker_id)
         self.feeder.remove_worker(worker_id)
         self.load.forget_worker(worker_id)
         self.speculative.forget_worker(worker_id)

@@ -111,17 +111,23 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
+@contextlib.contextmanager
+def running(group: list[Engine]):  # type: ignore[no-untyped-def]
+    """Start the engines together (each on its own core), wait until all serve, kill them all at the end."""
+    for e in group:
+        e.start()
+    try:
+        for e in group:
+            e.wait_ready()
+        yield group
+    finally:
+        for e in group:
+            e.kill()
+
+
 @pytest.fixture(scope="session")
 def engines(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("engine-logs")
-    pair = [Engine(f"e{i}", free_port(), free_port(), free_port(), i, tiny_model, logs / f"e{i}.log")
-            for i in range(2)]
-    for e in pair:
-        e.start()
-    try:
-        for e in pair:
-            e.wait_ready()
+    with running([Engine(f"e{i}", free_port(), free_port(), free_port(), i, tiny_model, logs / f"e{i}.log")
+                  for i in range(2)]) as pair:
         yield pair
-    finally:
-        for e in pair:
-            e.kill()

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from bench.load import free_port
-from tests.engine.conftest import Engine
+from tests.engine.conftest import Engine, running
 from tests.engine.test_vllm_e2e import complete, prompt, proxy
 
 pytestmark = [pytest.mark.engine, pytest.mark.sockets]
@@ -37,15 +37,8 @@ def pd_pair(tiny_model, tmp_path_factory):
               "kv_connector_extra_config": {"shared_storage_path": str(store)}}
         pair.append(Engine(("prefill", "decode")[i], free_port(), free_port(), free_port(), i, tiny_model,
                            logs / f"{role}.log", extra=("--kv-transfer-config", json.dumps(kv))))
-    for e in pair:
-        e.start()
-    try:
-        for e in pair:
-            e.wait_ready()
+    with running(pair):
         yield pair
-    finally:
-        for e in pair:
-            e.kill()
 
 
 async def test_disagg_real_engines_prefill_on_one_decode_on_the_other_same_output(pd_pair, engines):
