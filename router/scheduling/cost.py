@@ -34,10 +34,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import numpy as np
+
 from router.index import PrefixMatch
 from router.load import EngineMetrics, WorkerLoad
 from router.scheduling.engine_profile import DEFAULT_TIMING, EngineProfile, RobustLine, StepTiming
-from router.scheduling.types import hit_tokens
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,110 @@ class Estimate:
                 + self.kv_load_weight * (self.decode_s + self.slowdown_s))
 
 
+def prefill_cold(tokens: np.ndarray, t: StepTiming, budget: int) -> np.ndarray:
+    """Seconds to prefill ``tokens`` on an idle engine (no decode step beside it), vectorised."""
+    steps = np.ceil(tokens / budget)
+    chunk = tokens / np.maximum(steps, 1.0)
+    return np.where(tokens > 0, steps * (t.prefill_a * chunk * chunk + t.prefill_b * chunk + t.prefill_c) / 1000.0,
+                    0.0)
+
+
+@dataclass(slots=True)
+class Estimates:
+    """``Estimate``'s terms for every candidate of a decision, as arrays in the candidates' order."""
+
+    queue_s: np.ndarray
+    prefill_s: np.ndarray
+    decode_s: np.ndarray
+    uncached_tokens: np.ndarray
+    stall_s: np.ndarray
+    slowdown_s: np.ndarray
+    eviction_s: np.ndarray
+    kv_load_weight: float
+    step_s: np.ndarray
+    model_ttft_s: np.ndarray
+    model_step_s: np.ndarray
+
+    def scores(self, kv_load_weight: float | None = None) -> np.ndarray:
+        w = self.kv_load_weight if kv_load_weight is None else kv_load_weight
+        return self.queue_s + self.prefill_s + self.stall_s + self.eviction_s + w * (self.decode_s + self.slowdown_s)
+
+    def row(self, i: int) -> Estimate:
+        return Estimate(float(self.queue_s[i]), float(self.prefill_s[i]), float(self.decode_s[i]),
+                        int(self.uncached_tokens[i]), float(self.stall_s[i]), float(self.slowdown_s[i]),
+                        float(self.eviction_s[i]), self.kv_load_weight, float(self.step_s[i]),
+                        float(self.model_ttft_s[i]), float(self.model_step_s[i]))
+
+
+class Columns:
+    """What the objective reads of each candidate, gathered column by column (``add`` per candidate)."""
+
+    __slots__ = ("block_size", "cap_blocks", "cpu", "decode_slope", "gpu", "inflight", "kv", "max_tokens",
+                 "memory_wait", "new_blocks", "others_left", "pending", "prompt_tokens", "resident", "running",
+                 "storage", "ttft_slope", "used")
+
+    def __init__(self, prompt_tokens: int, block_size: int, max_tokens: int) -> None:
+        self.prompt_tokens, self.block_size, self.max_tokens = prompt_tokens, block_size, max_tokens
+        self.gpu: list[int] = []
+        self.cpu: list[int] = []
+        self.storage: list[int] = []
+        self.pending: list[float] = []
+        self.running: list[float] = []
+        self.others_left: list[float] = []
+        self.inflight: list[float] = []
+        self.cap_blocks: list[int] = []
+        self.used: list[float] = []
+        self.kv: list[float] = []
+        self.new_blocks: list[int] = []
+        self.resident: list[int] = []
+        self.memory_wait: list[float] = []
+        self.ttft_slope: list[float] = []
+        self.decode_slope: list[float] = []
+
+    def add(self, costs: CostModel, worker_id: str, match: PrefixMatch | None, load: WorkerLoad | None,
+            metrics: EngineMetrics | None, new_blocks: int, resident_tokens: int, capacity_tokens: int | None,
+            memory_wait_s: float, remaining_tokens: float | None = None) -> None:
+        p = costs.params
+        if match is None:
+            self.gpu.append(0)
+            self.cpu.append(0)
+            self.storage.append(0)
+        else:
+            self.gpu.append(match.gpu)
+            self.cpu.append(match.cpu)
+            self.storage.append(match.storage)
+        pending = load.pending_prefill_tokens if load else 0
+        running = load.decoding if load else 0
+        kv = None
+        if metrics is not None:
+            if metrics.waiting is not None:
+                # the engine's waiting count includes ours (known exactly); only the excess is other routers' work
+                ours = (load.requests - load.decoding) if load else 0
+                pending += max(0, int(metrics.waiting) - ours) * p.waiting_prompt_tokens
+            if metrics.running is not None:
+                running = max(running, int(metrics.running))  # running includes ours: the larger count wins
+            kv = metrics.kv_usage
+        self.pending.append(pending)
+        self.running.append(running)
+        # over its decode, the requests there now end as it runs (``remaining_fraction`` of theirs to come)
+        self.others_left.append(p.remaining_fraction * (load.output_tokens if load else 0)
+                                if remaining_tokens is None else remaining_tokens)
+        self.inflight.append(max(load.requests if load else 0, running))
+        cap = capacity_tokens // self.block_size if capacity_tokens else 0
+        used = float(load.active_blocks) if load else 0.0
+        if cap and kv is not None:
+            used = max(used, kv * cap)  # the engine's own view (other routers too)
+        self.cap_blocks.append(cap)
+        self.used.append(used)
+        self.kv.append(kv or 0.0)
+        self.new_blocks.append(new_blocks)
+        self.resident.append(resident_tokens)
+        self.memory_wait.append(memory_wait_s)
+        prof = costs.profile(worker_id)
+        self.ttft_slope.append(prof.ttft.slope)
+        self.decode_slope.append(prof.decode.slope)
+
+
 @dataclass
 class CostModel:
     params: CostParams = field(default_factory=CostParams)
@@ -146,67 +251,75 @@ class CostModel:
                  new_blocks: int = 0, resident_tokens: int = 0, capacity_tokens: int | None = None,
                  memory_wait_s: float = 0.0, reuse: float | None = None,
                  remaining_tokens: float | None = None) -> Estimate:
-        """``new_blocks``: the KV blocks this request adds there (its prompt blocks no request in flight shares,
-        its partial block and output); ``resident_tokens`` / ``capacity_tokens``: what the GPU cache holds (by the
-        index) and can hold (None: unknown, so no eviction or KV-load term); ``memory_wait_s``: until requests in
-        flight free room for its blocks; ``reuse``: P(an evicted block is asked for again); ``remaining_tokens``:
-        the output the requests there have still to generate, when known (else ``remaining_fraction`` of theirs)."""
-        p = self.params
-        prof = self.profile(worker_id)
-        gpu = cpu = storage = 0
-        if match is not None:
-            gpu, cpu, storage = match.gpu * block_size, match.cpu * block_size, match.storage * block_size
-        hit = hit_tokens((gpu + cpu + storage) // block_size, block_size, prompt_tokens)
-        uncached = prompt_tokens - hit
-        pending = load.pending_prefill_tokens if load else 0
-        if metrics is not None and metrics.waiting is not None:
-            # the engine's waiting count includes ours (known exactly); only the excess is other routers' work
-            ours = (load.requests - load.decoding) if load else 0
-            pending += max(0, int(metrics.waiting) - ours) * p.waiting_prompt_tokens
-        running = load.decoding if load else 0
-        if metrics is not None and metrics.running is not None:
-            running = max(running, int(metrics.running))  # running includes ours: the larger count wins
-        # KV in use, before and after this request; over its decode, the requests there now end as it runs
-        # (each has ``remaining_fraction`` of its output left on average), so it decodes beside that share of theirs
-        others_left = (p.remaining_fraction * (load.output_tokens if load else 0) if remaining_tokens is None
-                       else remaining_tokens)
-        inflight = max(load.requests if load else 0, running, 1)
-        overlap = min(1.0, others_left / inflight / max_tokens) if max_tokens else 1.0
-        cap_blocks = capacity_tokens // block_size if capacity_tokens else 0
-        used = float(load.active_blocks) if load else 0.0
-        if cap_blocks:
-            if metrics is not None and metrics.kv_usage is not None:
-                used = max(used, metrics.kv_usage * cap_blocks)  # the engine's own view (other routers too)
-            p0, p1 = used / cap_blocks, (used + new_blocks) / cap_blocks
-            own_p = (overlap * used + new_blocks) / cap_blocks
-        else:
-            p0 = p1 = own_p = metrics.kv_usage if metrics is not None and metrics.kv_usage is not None else 0.0
-        d0, d1, own_step = prof.decode_step_s(p0), prof.decode_step_s(p1), prof.decode_step_s(own_p)
-        floor = d0 if running else 0.0
-        # its prefill, batched behind what is pending, each step at least the decode step beside it
-        own, steps = prof.prefill_s(uncached, floor)
-        queue = (prof.prefill_s(pending + uncached, floor)[0] - own) if pending else 0.0
-        load_back = (cpu * prof.timing.load_back_ms_per_token + storage * p.storage_ms_per_token) / 1000.0
+        """One candidate's terms (``estimate_many`` of one). ``new_blocks``: the KV blocks this request adds
+        there (its prompt blocks no request in flight shares, its partial block and output); ``resident_tokens``
+        / ``capacity_tokens``: what the GPU cache holds (by the index) and can hold (None: unknown, so no
+        eviction or KV-load term); ``memory_wait_s``: until requests in flight free room for its blocks;
+        ``reuse``: P(an evicted block is asked for again); ``remaining_tokens``: the output the requests there
+        have still to generate, when known (else ``remaining_fraction`` of theirs)."""
+        cols = Columns(prompt_tokens, block_size, max_tokens)
+        cols.add(self, worker_id, match, load, metrics, new_blocks, resident_tokens, capacity_tokens, memory_wait_s,
+                 remaining_tokens)
+        return self.estimate_many(cols, reuse).row(0)
+
+    def estimate_many(self, cols: Columns, reuse: float | None = None) -> Estimates:
+        """Every candidate's terms at once (numpy over the candidates: a decision over a thousand workers costs
+        a few array operations, not a thousand function calls)."""
+        p, t = self.params, self.params.timing
+        bs, prompt, max_tokens = cols.block_size, cols.prompt_tokens, cols.max_tokens
+        gpu, cpu, storage = (np.asarray(x, dtype=float) for x in (cols.gpu, cols.cpu, cols.storage))
+        hit = np.minimum((gpu + cpu + storage) * bs, max(prompt - 1, 0))
+        uncached = prompt - hit
+        pending = np.asarray(cols.pending, dtype=float)
+        running = np.asarray(cols.running, dtype=float)
+        others_left = np.asarray(cols.others_left, dtype=float)
+        inflight = np.maximum(np.asarray(cols.inflight, dtype=float), 1.0)
+        overlap = np.minimum(1.0, others_left / inflight / max_tokens) if max_tokens else np.ones_like(pending)
+        cap = np.asarray(cols.cap_blocks, dtype=float)
+        known = cap > 0
+        safe_cap = np.where(known, cap, 1.0)
+        used = np.asarray(cols.used, dtype=float)
+        new = np.asarray(cols.new_blocks, dtype=float)
+        kv = np.asarray(cols.kv, dtype=float)
+        p0 = np.where(known, used / safe_cap, kv)
+        p1 = np.where(known, (used + new) / safe_cap, kv)
+        own_p = np.where(known, (overlap * used + new) / safe_cap, kv)
+        dk = np.asarray(cols.decode_slope, dtype=float)
+        k = np.asarray(cols.ttft_slope, dtype=float)
+
+        def step_s(frac: np.ndarray) -> np.ndarray:  # StepTiming.decode_ms, vectorised, in seconds
+            q = np.clip(frac, 0.0, 1.0)
+            return np.maximum(0.0, t.decode_a * q * q + t.decode_b * q + t.decode_c) / 1000.0
+
+        model_own_step = step_s(own_p)
+        d0, d1, own_step = dk * step_s(p0), dk * step_s(p1), dk * model_own_step
+        floor = np.where(running > 0, d0, 0.0)
+        budget = max(p.step_token_budget, 1)
+
+        def prefill(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # EngineProfile.prefill_s, vectorised
+            steps = np.ceil(tokens / budget)
+            chunk = tokens / np.maximum(steps, 1.0)
+            per_step = (t.prefill_a * chunk * chunk + t.prefill_b * chunk + t.prefill_c) / 1000.0
+            return np.where(tokens > 0, steps * np.maximum(per_step, floor), 0.0), steps
+
+        own, steps = prefill(uncached)
+        queue = np.where(pending > 0, prefill(pending + uncached)[0] - own, 0.0)
+        load_back = (cpu * bs * t.load_back_ms_per_token + storage * bs * p.storage_ms_per_token) / 1000.0
         model_ttft = queue + own + load_back
-        k = prof.ttft.slope
-        ttft = prof.ttft.predict(model_ttft)
-        queue_s = ttft * (queue / model_ttft) if model_ttft else 0.0
+        ttft = k * model_ttft
+        queue_s = k * queue
         prefill_s = ttft - queue_s
-        # what it costs the others there
-        stall = running * max(0.0, k * own - steps * d0)
+        stall = running * np.maximum(0.0, k * own - steps * d0)
         if max_tokens:
-            others_left = min(others_left, running * max_tokens)  # they are slowed only while it decodes
+            others_left = np.minimum(others_left, running * max_tokens)  # slowed only while it decodes
         slowdown = others_left * (d1 - d0)
-        eviction = 0.0
-        if cap_blocks:
-            # what it stores anew (its uncached prompt and its output) beyond the room the cache has free
-            overflow = uncached + max_tokens - max(0, capacity_tokens - resident_tokens)
-            if overflow > 0:
-                share = p.reuse_prior if reuse is None else reuse
-                eviction = share * k * prof.prefill_s(overflow)[0]
-        return Estimate(queue_s + memory_wait_s, prefill_s, max_tokens * own_step, uncached, stall, slowdown,
-                        eviction, p.kv_load_weight, own_step, 0.0 if pending else model_ttft,
-                        prof.timing.decode_ms(own_p) / 1000.0)
+        share = p.reuse_prior if reuse is None else reuse
+        overflow = uncached + max_tokens - np.maximum(0.0, cap * bs - np.asarray(cols.resident, dtype=float))
+        overflow = np.where(known, np.maximum(overflow, 0.0), 0.0)
+        eviction = share * k * np.where(overflow > 0, prefill_cold(overflow, t, budget), 0.0)
+        return Estimates(queue_s + np.asarray(cols.memory_wait, dtype=float), prefill_s, max_tokens * own_step,
+                         uncached, stall, slowdown, eviction, p.kv_load_weight, own_step,
+                         np.where(pending > 0, 0.0, model_ttft), model_own_step)
 
     # ---- learning ---------------------------------------------------------------------------------
     def observe_ttft(self, worker_id: str, model_s: float | None, observed_s: float) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.load import tail_blocks
+from router.scheduling.cost import Columns
 from router.scheduling.plugins.base import Scorer
 from router.scheduling.snapshot import Candidate, Snapshot
 
@@ -31,24 +32,25 @@ class LatencyCost(Scorer):
         matches = snap.matches()
         prompt, block_size, keys = req.prompt_tokens, req.block_size, req.keys
         tail = tail_blocks(prompt, len(keys), req.max_tokens, block_size)
-        estimate, resident, memory_wait, reuse = costs.estimate, snap.resident_tokens, snap.memory_wait_s, snap.reuse
-        weight = self.params.kv_load_weight
-        out = []
+        resident, memory_wait, profile = snap.resident_tokens, snap.memory_wait_s, costs.profile
+        cols = Columns(prompt, block_size, req.max_tokens)
+        add = cols.add
         for c in cands:
-            r = c
             load, capacity = c.load, c.capacity_tokens
             new = len(keys) - (load.shared_prefix_blocks(keys) if load else 0) + tail
-            step = costs.profile(c.worker_id).decode_step_s(
-                load.active_blocks * block_size / capacity if load and capacity else 0.0)
-            est = estimate(c.worker_id, prompt, block_size, matches.get(c.worker_id), load, c.metrics,
-                           max_tokens=req.max_tokens, new_blocks=new,
-                           resident_tokens=resident(c) if capacity else 0, capacity_tokens=capacity,
-                           memory_wait_s=memory_wait(c, step), reuse=reuse)
-            r.queue_s, r.prefill_s, r.decode_s, r.ttft_s = est.queue_s, est.prefill_s, est.decode_s, est.ttft_s
-            r.interference_s, r.eviction_s, r.step_s = est.interference_s, est.eviction_s, est.step_s
-            r.stall_s = est.stall_s
-            r.model_ttft_s, r.model_step_s = est.model_ttft_s, est.model_step_s
-            if weight is not None:
-                est.kv_load_weight = weight
-            out.append(est.score)
-        return out
+            wait = 0.0
+            if capacity and load is not None and load.requests:  # a memory wait needs requests to wait for
+                wait = memory_wait(c, profile(c.worker_id).decode_step_s(load.active_blocks * block_size / capacity))
+            add(costs, c.worker_id, matches.get(c.worker_id), load, c.metrics, new,
+                resident(c) if capacity else 0, capacity, wait)
+        est = costs.estimate_many(cols, snap.reuse)
+        out = est.scores(self.params.kv_load_weight)
+        ttft = est.queue_s + est.prefill_s
+        for c, q, pf, dec, t, stall, slow, ev, st, mt, ms in zip(
+                cands, est.queue_s.tolist(), est.prefill_s.tolist(), est.decode_s.tolist(), ttft.tolist(),
+                est.stall_s.tolist(), est.slowdown_s.tolist(), est.eviction_s.tolist(), est.step_s.tolist(),
+                est.model_ttft_s.tolist(), est.model_step_s.tolist(), strict=True):
+            c.queue_s, c.prefill_s, c.decode_s, c.ttft_s = q, pf, dec, t  # what /debug/decision shows
+            c.stall_s, c.interference_s, c.eviction_s, c.step_s = stall, stall + slow, ev, st
+            c.model_ttft_s, c.model_step_s = mt, ms
+        return out.tolist()
