@@ -3,6 +3,8 @@ state, huge events applied in slices with the same result."""
 
 import random
 
+import pytest
+
 from router.events.codec import BlockRemoved, BlockStored, EventBatch
 from router.events.feed import SLICE_BLOCKS, IndexFeeder, _slices
 from router.index import KvIndex, Medium
@@ -193,3 +195,34 @@ def test_a_scrape_counts_only_what_the_router_does_not_know_better():
     assert view.kv_usage == 40 / 1000
     c = core.decide(route(list(range(50_000, 50_100)), "next"), now=0.5).candidates[0]
     assert c.busy == 2  # least_loaded and approx_prefix read the same view
+
+
+def test_the_metrics_parser_reads_from_the_families_it_uses_what_the_whole_exposition_says():
+    """The scrape is cut to the families the router reads before Prometheus's parser sees it: the values must be
+    what the parser reads from the whole text, with every other family (histograms, info, label values holding
+    spaces and braces) beside them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from router.load import parse_engine_metrics
+    from router.load.metrics import _wanted_lines
+    from workers.engine import EngineConfig, EngineModel, EngineRequest
+    from workers.engine.metrics import engine_metrics_text
+
+    engine = EngineModel(EngineConfig(num_gpu_blocks=64))
+    engine.add_request(EngineRequest("a", list(range(100)), 4))
+    engine.step(0.0)
+    text = engine_metrics_text(engine)
+    noise = ('# HELP vllm:request_params_n Histogram of n.\n# TYPE vllm:request_params_n histogram\n'
+             'vllm:request_params_n_bucket{le="1.0",model_name="a b {c}"} 3.0\n'
+             '# TYPE vllm:num_requests_running_other gauge\nvllm:num_requests_running_other{engine="0"} 99.0\n'
+             'vllm:num_requests_running{engine="1",model_name="x } y"} 2.0\n')
+    whole = text + noise
+    m = parse_engine_metrics(whole, scraped_at=1.0)
+    assert m.running == engine.num_running + 2 and m.waiting == engine.num_waiting
+    assert m.kv_usage == pytest.approx(engine.kv_usage) and m.cache_tokens == 64 * 16
+    assert m.work_tokens and m.work_tokens > 0
+    kept = {f.name: [(s.name, s.labels, s.value) for s in f.samples] for f in
+            text_string_to_metric_families(_wanted_lines(whole))}
+    full = {f.name: [(s.name, s.labels, s.value) for s in f.samples] for f in text_string_to_metric_families(whole)}
+    assert kept and all(full[name] == samples for name, samples in kept.items())
+    assert "vllm:request_params_n" not in kept and "vllm:num_requests_running_other" not in kept

@@ -39,12 +39,39 @@ class EngineMetrics:
         return self if now - self.scraped_at <= max_age_s else None
 
 
+_WANTED = frozenset({*_NAMES, *_WORK_COUNTERS, "vllm:cache_config_info"})
+
+
+def _wanted_lines(text: str) -> str:
+    """The exposition reduced to the families read here (with their HELP and TYPE lines): a vLLM scrape is
+    hundreds of histogram lines, and the router scrapes every worker every second; Prometheus's own parser then
+    reads what is left, so the values are what it would read from the whole text."""
+    def wanted(name: str) -> bool:  # a counter's samples (and, as written today, its HELP/TYPE) end in _total
+        return name in _WANTED or name.removesuffix("_total") in _WANTED or name.removesuffix("_created") in _WANTED
+
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(" ", 3)
+            if len(parts) >= 3 and wanted(parts[2]):
+                keep.append(line)
+            continue
+        cut = len(line)
+        for sep in ("{", " "):
+            i = line.find(sep)
+            if 0 <= i < cut:
+                cut = i
+        if wanted(line[:cut]):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
 def parse_engine_metrics(text: str, scraped_at: float) -> EngineMetrics:
     """Sum across label sets (one engine per DP rank may report under one endpoint)."""
     found: dict[str, float] = {}
     cache_tokens: int | None = None
     work: float | None = None
-    for fam in text_string_to_metric_families(text):
+    for fam in text_string_to_metric_families(_wanted_lines(text)):
         if fam.name == "vllm:cache_config_info":
             cache_tokens = _cache_tokens(fam.samples) or cache_tokens
             continue
