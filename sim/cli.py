@@ -10,7 +10,7 @@ import time
 from router.scheduling import BUILTIN_PROFILES as POLICIES
 from router.scheduling import RoutingConfig
 from router.scheduling.disagg import MODES, DisaggParams
-from sim.oracle import ORACLE, oracle_routing
+from sim.oracle import ORACLE, sim_routing
 from sim.report import Progress, plots, stable_json, table
 from sim.runner import SimConfig, Simulation, pooled, summarise
 from sim.suite import SUITES
@@ -139,9 +139,7 @@ def pd_roles(args: argparse.Namespace) -> dict[int, str]:
 
 def pd_routing(args: argparse.Namespace, policy: str, seed: int) -> RoutingConfig:
     pd = DisaggParams(args.pd_mode, kv_bytes_per_token=args.kv_bytes_per_token, link_gbit_s=args.link_gbit_s)
-    base = RoutingConfig(policy=policy if policy != ORACLE else "precise", block_size=args.block_size, seed=seed,
-                         disaggregation=pd)
-    return oracle_routing(args.block_size, seed, base) if policy == ORACLE else base
+    return sim_routing(policy, args.block_size, seed, disaggregation=pd)
 
 
 def _workload(args: argparse.Namespace, seed: int) -> list[SimRequest]:

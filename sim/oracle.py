@@ -276,6 +276,14 @@ def oracle_scheduling(max_inflight_requests: int | None = 512, max_inflight_toke
     })
 
 
+def sim_routing(policy: str, block_size: int, seed: int | None = None, **fields: Any) -> RoutingConfig:
+    """The routing config a simulation of ``policy`` runs (``fields``: more RoutingConfig fields, a cost or a
+    disaggregation): a built-in or configured profile, or the simulator's own ``oracle``."""
+    if policy == ORACLE:
+        return oracle_routing(block_size, seed, RoutingConfig(block_size=block_size, seed=seed, **fields))
+    return RoutingConfig(policy=policy, block_size=block_size, seed=seed, **fields)
+
+
 def oracle_routing(block_size: int, seed: int | None = None, base: RoutingConfig | None = None,
                    **params: Any) -> RoutingConfig:
     """``base`` (or the defaults) with policy ``oracle``: what ``Simulation`` builds for ``policy="oracle"``."""

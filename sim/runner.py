@@ -22,7 +22,7 @@ from router.events.codec import EventBatch
 from router.keys import chain_keys
 from router.load import EngineMetrics, parse_engine_metrics
 from router.scheduling import Decision, Endpoint, RouteRequest, RoutingConfig, RoutingCore
-from sim.oracle import ORACLE, oracle_routing
+from sim.oracle import sim_routing
 from sim.workload import SimRequest
 from workers.engine import EngineConfig, EngineModel, EngineRequest, StepResult
 from workers.engine.metrics import engine_metrics_text
@@ -99,11 +99,7 @@ class Simulation:
         self.config = config
         ec = config.engine
         self.block_size = ec.block_size
-        routing = config.routing
-        if routing is None and config.policy == ORACLE:
-            routing = oracle_routing(block_size=ec.block_size, seed=config.seed)
-        routing = routing or RoutingConfig(policy=config.policy, block_size=ec.block_size, seed=config.seed)
-        self.core = RoutingCore(routing)
+        self.core = RoutingCore(config.routing or sim_routing(config.policy, ec.block_size, config.seed))
         self.ids = [f"w{i}" for i in range(config.workers)]
         self.engine_configs = {w: config.engines.get(i, ec) for i, w in enumerate(self.ids)}
         if any(c.block_size != ec.block_size for c in self.engine_configs.values()):

@@ -27,9 +27,9 @@ from typing import Any
 
 import yaml
 
-from router.scheduling import CostParams, RoutingConfig
+from router.scheduling import CostParams
 from router.scheduling import profiles as _profiles
-from sim.oracle import ORACLE, oracle_routing
+from sim.oracle import ORACLE, sim_routing
 from sim.runner import EventFaults, SimConfig, SimResult, Simulation, summarise
 from sim.workload import (
     SimRequest,
@@ -217,11 +217,8 @@ def run_scenario(scenario: Scenario, policies: Sequence[str], quick: bool = Fals
     }
     results: dict[str, Any] = {}
     for name in policies:
-        routing = None
-        if cost is not None:  # the router's cost parameters for every profile (the oracle's weights too)
-            routing = RoutingConfig(policy=name, block_size=setup.engine.block_size, seed=seed, cost=cost)
-            if name == ORACLE:
-                routing = oracle_routing(setup.engine.block_size, seed, routing)
+        # the router's cost parameters, when given, for every profile (the oracle's too)
+        routing = None if cost is None else sim_routing(name, setup.engine.block_size, seed, cost=cost)
         cfg = SimConfig(workers=setup.workers, policy=name, engine=setup.engine, engines=setup.engines,
                         faults=setup.faults, seed=seed, restart_busiest_at=setup.restart_busiest_at, routing=routing,
                         roles=setup.roles)

@@ -99,6 +99,8 @@ def test_cost_overrides_apply_to_every_profile(capsys):
     assert figures(got["scenarios"]["hot_prefix"]["policies"]["precise"]) == figures(plain["precise_ttft"])
     assert figures(plain["precise"]) != figures(plain["precise_ttft"])
     assert _cli([*base, "--cost", "nope=1"]) == 2
+    assert _cli([*base, "--policies", "oracle", "--cost", "kv_load_weight=0"]) == 0  # the oracle takes it too
+    assert json.loads(capsys.readouterr().out)["scenarios"]["hot_prefix"]["policies"]["oracle"]["completed"] > 0
 
 
 # ---- the oracle ------------------------------------------------------------------------------------------
