@@ -109,14 +109,6 @@ class Estimate:
                 + self.kv_load_weight * (self.decode_s + self.slowdown_s))
 
 
-def prefill_cold(tokens: np.ndarray, t: StepTiming, budget: int) -> np.ndarray:
-    """Seconds to prefill ``tokens`` on an idle engine (no decode step beside it), vectorised."""
-    steps = np.ceil(tokens / budget)
-    chunk = tokens / np.maximum(steps, 1.0)
-    return np.where(tokens > 0, steps * (t.prefill_a * chunk * chunk + t.prefill_b * chunk + t.prefill_c) / 1000.0,
-                    0.0)
-
-
 @dataclass(slots=True)
 class Estimates:
     """``Estimate``'s terms for every candidate of a decision, as arrays in the candidates' order."""
@@ -287,23 +279,12 @@ class CostModel:
         dk = np.asarray(cols.decode_slope, dtype=float)
         k = np.asarray(cols.ttft_slope, dtype=float)
 
-        def step_s(frac: np.ndarray) -> np.ndarray:  # StepTiming.decode_ms, vectorised, in seconds
-            q = np.clip(frac, 0.0, 1.0)
-            return np.maximum(0.0, t.decode_a * q * q + t.decode_b * q + t.decode_c) / 1000.0
-
-        model_own_step = step_s(own_p)
-        d0, d1, own_step = dk * step_s(p0), dk * step_s(p1), dk * model_own_step
+        model_own_step = t.decode_s_array(own_p)
+        d0, d1, own_step = dk * t.decode_s_array(p0), dk * t.decode_s_array(p1), dk * model_own_step
         floor = np.where(running > 0, d0, 0.0)
-        budget = max(p.step_token_budget, 1)
-
-        def prefill(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # EngineProfile.prefill_s, vectorised
-            steps = np.ceil(tokens / budget)
-            chunk = tokens / np.maximum(steps, 1.0)
-            per_step = (t.prefill_a * chunk * chunk + t.prefill_b * chunk + t.prefill_c) / 1000.0
-            return np.where(tokens > 0, steps * np.maximum(per_step, floor), 0.0), steps
-
-        own, steps = prefill(uncached)
-        queue = np.where(pending > 0, prefill(pending + uncached)[0] - own, 0.0)
+        budget = p.step_token_budget
+        own, steps = t.prefill_s_array(uncached, budget, floor)
+        queue = np.where(pending > 0, t.prefill_s_array(pending + uncached, budget, floor)[0] - own, 0.0)
         load_back = (cpu * bs * t.load_back_ms_per_token + storage * bs * p.storage_ms_per_token) / 1000.0
         model_ttft = queue + own + load_back
         ttft = k * model_ttft
@@ -316,7 +297,7 @@ class CostModel:
         share = p.reuse_prior if reuse is None else reuse
         overflow = uncached + max_tokens - np.maximum(0.0, cap * bs - np.asarray(cols.resident, dtype=float))
         overflow = np.where(known, np.maximum(overflow, 0.0), 0.0)
-        eviction = share * k * np.where(overflow > 0, prefill_cold(overflow, t, budget), 0.0)
+        eviction = share * k * t.prefill_s_array(overflow, budget)[0]  # their re-prefill, priced cold
         return Estimates(queue_s + np.asarray(cols.memory_wait, dtype=float), prefill_s, max_tokens * own_step,
                          uncached, stall, slowdown, eviction, p.kv_load_weight, own_step,
                          np.where(pending > 0, 0.0, model_ttft), model_own_step)

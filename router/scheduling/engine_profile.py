@@ -41,6 +41,20 @@ class StepTiming:
         p = min(max(kv_usage, 0.0), 1.0)
         return max(0.0, self.decode_a * p * p + self.decode_b * p + self.decode_c)
 
+    # the same two shapes over arrays (the routing objective prices every candidate at once), in seconds
+    def decode_s_array(self, kv_usage: np.ndarray) -> np.ndarray:
+        p = np.clip(kv_usage, 0.0, 1.0)
+        return np.maximum(0.0, self.decode_a * p * p + self.decode_b * p + self.decode_c) / 1000.0
+
+    def prefill_s_array(self, tokens: np.ndarray, budget: int, floor_s: np.ndarray | float = 0.0
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        """``EngineProfile.prefill_s`` over arrays: seconds to prefill ``tokens`` in steps of at most ``budget``,
+        each lasting at least ``floor_s``; and the steps."""
+        steps = np.ceil(tokens / max(budget, 1))
+        chunk = tokens / np.maximum(steps, 1.0)
+        per_step = (self.prefill_a * chunk * chunk + self.prefill_b * chunk + self.prefill_c) / 1000.0
+        return np.where(tokens > 0, steps * np.maximum(per_step, floor_s), 0.0), steps
+
 
 DEFAULT_TIMING = StepTiming()
 

@@ -53,18 +53,6 @@ EMBED_DIM = 8  # the fake embedding's dimension
 KV_HOLD_S = 30.0  # how long a prefill worker holds a finished prefill's blocks for its decode worker to pull
 
 
-@dataclass
-class KvLink:
-    """The modelled KV transfer between a prefill and a decode worker (the router's ``DisaggParams`` defaults)."""
-
-    kv_bytes_per_token: int = DisaggParams.kv_bytes_per_token
-    link_gbit_s: float = DisaggParams.link_gbit_s
-    setup_s: float = DisaggParams.transfer_setup_s
-
-    def transfer_s(self, tokens: int) -> float:
-        return self.setup_s + tokens * self.kv_bytes_per_token * 8 / (self.link_gbit_s * 1e9)
-
-
 def fake_embedding(ids: list[int], fmt: str = "float") -> list[float] | str:
     """A unit vector deterministic in the token ids (a stand-in for a pooling model's output);
     ``fmt="base64"``: its float32 little-endian bytes, base64 encoded, as vLLM sends them."""
@@ -150,7 +138,7 @@ class SimWorker:
         self.registry.register(_Metrics(self))  # type: ignore[arg-type]
         self.created = int(time.time())
         self.engine_id = uuid.uuid4().hex  # names this engine in the kv_transfer_params it hands out
-        self.link = KvLink()
+        self.link = DisaggParams()  # the modelled KV transfer: the router's defaults price the same link
         # finished prefills held for a decode worker: remote_request_id -> (block hashes, held until)
         self._held: dict[str, tuple[list[int], float]] = {}
         self.kv_sent_blocks = 0
