@@ -307,14 +307,9 @@ def render_chart(release: str, namespace: str, overrides: dict | None = None) ->
 
 
 def kubernetes_validate(tmp_path, docs):
-    files = []
-    for i, doc in enumerate(docs):
-        f = tmp_path / f"{i}-{doc['kind']}.yaml"
-        f.write_text(yaml.safe_dump(doc))
-        files.append(str(f))
-    out = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "-k", "1.33.0", *files],
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
+    from tests.test_kubernetes import kubernetes_validate as validate
+
+    validate(tmp_path, [(f"{doc['kind']}.yaml", doc) for doc in docs])
 
 
 def test_chart_renderer_refuses_what_it_does_not_implement():

@@ -454,21 +454,27 @@ OPS = st.lists(
 )
 
 
+def apply_op(engine: MiniSGLang, seen: list[tuple[list[int], str | None]], op: str, a: int, toks: list[int],
+             salt: str | None) -> None:
+    """One generated operation on the engine; ``seen`` keeps every prompt inserted (and its salt)."""
+    if op == "insert":
+        req = BASE[:a] + toks
+        engine.insert(req, salt=salt)
+        seen.append((req, salt))
+    elif op == "evict" and seen:
+        req, salt = seen[a % len(seen)]
+        engine.evict(req, toks, salt=salt)
+    elif op == "clear":
+        engine.clear()
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([1, 2, 4, 8]), st.booleans(), OPS)
 def test_the_index_matches_exactly_the_full_blocks_the_engine_holds(page, per_page, ops):
     engine, router = MiniSGLang(page, per_page), Router()
     seen: list[tuple[list[int], str | None]] = []
     for op, a, toks, salt in ops:
-        if op == "insert":
-            req = BASE[:a] + toks
-            engine.insert(req, salt=salt)
-            seen.append((req, salt))
-        elif op == "evict" and seen:
-            req, salt = seen[a % len(seen)]
-            engine.evict(req, toks, salt=salt)
-        elif op == "clear":
-            engine.clear()
+        apply_op(engine, seen, op, a, toks, salt)
         router.step(engine)
         for req, salt in seen:
             assert router.match(req, salt=salt) == engine.cached_blocks(req, salt), (req, salt)
@@ -484,15 +490,7 @@ def test_within_the_memory_bound_the_index_never_claims_a_block_the_engine_lacks
     engine, router = MiniSGLang(page, per_page), Router(rechunk_max_pages=cap)
     seen: list[tuple[list[int], str | None]] = []
     for op, a, toks, salt in ops:
-        if op == "insert":
-            req = BASE[:a] + toks
-            engine.insert(req, salt=salt)
-            seen.append((req, salt))
-        elif op == "evict" and seen:
-            req, salt = seen[a % len(seen)]
-            engine.evict(req, toks, salt=salt)
-        elif op == "clear":
-            engine.clear()
+        apply_op(engine, seen, op, a, toks, salt)
         router.step(engine)
         rc = router.feed.rechunk
         assert rc is None or rc.pages <= cap
