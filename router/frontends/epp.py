@@ -288,7 +288,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             st.refused = True
             return [self._refusal(decision)]
         prefiller = None
-        if api_path(path) in GENERATE_PATHS and parsed.kind in ("completions", "chat") and parsed.n == 1:
+        if api_path(path) in GENERATE_PATHS and parsed.splittable:
             plan = self.core.plan_prefill(rreq, decision, time.monotonic())
             if plan is not None:
                 prefiller = self.core.endpoints[plan.worker_id].address

@@ -115,6 +115,12 @@ class ParsedRequest:
     def batch(self) -> bool:
         return len(self.prompts) > 1
 
+    @property
+    def splittable(self) -> bool:
+        """One completion or chat prompt, one sample: what a prefill/decode split can serve (vLLM's handoff
+        carries one request's KV)."""
+        return self.kind in ("completions", "chat") and self.n == 1 and not self.batch
+
     def route_request(self, request_id: str, block_size: int, lora: str | None = None,
                       session: str | None = None, subset: frozenset[str] | None = None) -> RouteRequest:
         """Keyed on ``token_ids``; the work is every prompt's (a batch sent as one costs all of it)."""

@@ -173,7 +173,7 @@ class ProxyServer:
             return self._refusal(decision)
         headers = self._upstream_headers(request, salt)
         body = parsed.raw
-        if parsed.kind in ("completions", "chat") and parsed.n == 1:
+        if parsed.splittable:
             plan = self.core.plan_prefill(rreq, decision, time.monotonic())
             if decision.disagg is not None and self.decisions:
                 self.decisions[-1]["disagg"] = decision.disagg  # the split, in /debug/decision
