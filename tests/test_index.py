@@ -142,3 +142,22 @@ def test_worker_slots_are_reused_without_leaking_old_residency():
     index.store("b", [2], [6], Medium.GPU)  # takes a's slot
     assert index.match([5]) == {}
     assert index.match([6]) == {"b": PrefixMatch(gpu=1)}
+
+
+def test_export_import_worker_rebuilds_refcounts_and_lru_order():
+    src = KvIndex()
+    src.store("w", [1, 2, 3], [11, 12, 13], Medium.GPU)
+    src.store("w", [2], [12], Medium.GPU)  # stored twice: count 2, and now the most recent
+    src.store("w", [9], [19], Medium.CPU)
+    src.store("other", [1], [11], Medium.GPU)
+    exported = src.export_worker("w")
+    assert [(e.medium, e.engine_hash, e.key, e.count) for e in exported] == [
+        (Medium.GPU, 1, 11, 1), (Medium.GPU, 3, 13, 1), (Medium.GPU, 2, 12, 2), (Medium.CPU, 9, 19, 1)]
+    dst = KvIndex()
+    dst.store("w", [7], [17], Medium.GPU)  # replaced, not merged
+    dst.import_worker("w", exported)
+    assert dst.export_worker("w") == exported
+    assert dst.resident_keys("w") == src.resident_keys("w")
+    dst.remove("w", [2], Medium.GPU)  # one of its two copies: still held
+    assert dst.holds("w", 12)
+    assert src.export_worker("nobody") == []

@@ -1,5 +1,5 @@
 """Block residency across workers (pure)."""
 
-from router.index.residency import MEDIA, EngineHash, KvIndex, Medium, PrefixMatch
+from router.index.residency import MEDIA, BlockEntry, EngineHash, KvIndex, Medium, PrefixMatch
 
-__all__ = ["MEDIA", "EngineHash", "KvIndex", "Medium", "PrefixMatch"]
+__all__ = ["MEDIA", "BlockEntry", "EngineHash", "KvIndex", "Medium", "PrefixMatch"]

@@ -46,6 +46,16 @@ class PrefixMatch:
         return self.gpu + self.cpu + self.storage
 
 
+@dataclass(frozen=True, slots=True)
+class BlockEntry:
+    """One (medium, engine hash) a worker holds: our key for it and how many physical blocks store it."""
+
+    medium: Medium
+    engine_hash: EngineHash
+    key: int
+    count: int = 1
+
+
 @dataclass(slots=True)
 class _WorkerBlocks:
     slot: int
@@ -202,6 +212,22 @@ class KvIndex:
             for h in list(refs)[:excess]:
                 self._drop_entry(w, medium, h)
                 self.evicted_entries += 1
+
+    # ---- snapshots -----------------------------------------------------------------------
+    def export_worker(self, worker_id: str) -> list[BlockEntry]:
+        """One worker's whole residency, per medium in the index's own LRU order (oldest first): what a
+        snapshot must carry so that ``import_worker`` rebuilds the same state (refcounts and order included)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return []
+        return [BlockEntry(m, h, w.hash_to_key[h], count) for m in MEDIA for h, count in w.refs[m].items()]
+
+    def import_worker(self, worker_id: str, entries: Iterable[BlockEntry]) -> None:
+        """Replace one worker's residency with ``entries`` (as ``export_worker`` gave them)."""
+        self.clear_worker(worker_id)
+        for e in entries:
+            for _ in range(e.count):
+                self.store(worker_id, (e.engine_hash,), (e.key,), e.medium)
 
     # ---- queries -------------------------------------------------------------------------
     def __len__(self) -> int:
