@@ -14,6 +14,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,12 +180,17 @@ def run_round(policies: list[str], rotate: int, specs: list[str], urls: list[str
     return done
 
 
-async def drive_workload(policy: str, url: str, workload: list[DemoRequest], progress: bool) -> PolicyRun:
+async def drive_workload(policy: str, url: str | Sequence[str], workload: list[DemoRequest],
+                         progress: bool) -> PolicyRun:
+    """Send ``workload`` on its arrival times; over several ``url`` (router replicas), request i goes to the i-th
+    in turn, as a load balancer in front of them would spread it."""
+    urls = [url] if isinstance(url, str) else list(url)
     run = PolicyRun(policy)
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as session:
         start = time.monotonic()
-        tasks = [asyncio.create_task(_one(session, url, r, start, run)) for r in workload]
+        tasks = [asyncio.create_task(_one(session, urls[i % len(urls)], r, start, run))
+                 for i, r in enumerate(workload)]
         total = len(tasks)
         tty = sys.stderr.isatty()
         shown = -1

@@ -115,7 +115,7 @@ async def test_discovery_against_a_fake_api_server_updates_the_fleet(tmp_path):
 
 
 BUILTIN_KINDS = {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding", "HorizontalPodAutoscaler",
-                 "ConfigMap", "PodDisruptionBudget"}
+                 "ConfigMap", "PodDisruptionBudget", "StatefulSet"}
 
 
 def manifests():
