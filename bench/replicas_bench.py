@@ -23,16 +23,16 @@ from contextlib import ExitStack
 from typing import Any
 
 from bench.demo import DEMO_DEFAULTS, PolicyRun, _reset, drive_workload, shared_prefix_workload
-from bench.load import SimWorkerProcess, free_port, server_process, sim_workers
+from bench.load import SimWorkerProcess, free_port, running, server_process, sim_workers
 from bench.nats import NatsServer, nats_server
 from bench.quality_bench import pooled
 
 REPLICA_COUNTS = (1, 2, 4)
 
 
-def relay_args(bus: NatsServer, workers: Sequence[SimWorkerProcess], port: int) -> list[str]:
+def relay_command(bus: NatsServer, workers: Sequence[SimWorkerProcess]) -> list[str]:
     """One relay for the node: every worker's events and replay sockets onto the bus."""
-    return ["-m", "router.cli", "relay", "--nats", bus.url, "--metrics-port", str(port),
+    return [sys.executable, "-m", "router.cli", "relay", "--bus", bus.url, "--log-level", "warning",
             *(a for w in workers for a in ("--worker", w.spec))]
 
 
@@ -79,8 +79,8 @@ def run(seeds: int, progress: bool = True) -> dict[str, Any]:
                               "--num-gpu-blocks", str(d["gpu_blocks"]), replay=True)
         urls = [w.url for w in workers]
         bus = stack.enter_context(nats_server())
-        relay_port = free_port()
-        stack.enter_context(server_process(relay_args(bus, workers, relay_port), relay_port))
+        # the relay has no port of its own: it is ready when the replicas have read its first records
+        stack.enter_context(running(relay_command(bus, workers), lambda: True, what="kvrouter relay"))
         for seed in range(seeds):
             workload = shared_prefix_workload(d["groups"], d["per_group"], d["rate"], seed)
             order = configs[seed % len(configs):] + configs[: seed % len(configs)]

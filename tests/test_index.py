@@ -161,3 +161,18 @@ def test_export_import_worker_rebuilds_refcounts_and_lru_order():
     dst.remove("w", [2], Medium.GPU)  # one of its two copies: still held
     assert dst.holds("w", 12)
     assert src.export_worker("nobody") == []
+
+
+def test_residency_digest_is_order_independent_and_sees_counts_and_media():
+    from router.index.digest import residency_digest
+
+    a, b = KvIndex(), KvIndex()
+    a.store("w", [1, 2], [11, 12], Medium.GPU)
+    b.store("w", [2], [12], Medium.GPU)
+    b.store("w", [1], [11], Medium.GPU)
+    assert residency_digest(a, "w") == residency_digest(b, "w")
+    b.store("w", [1], [11], Medium.GPU)  # a second copy
+    assert residency_digest(a, "w") != residency_digest(b, "w")
+    c = KvIndex()
+    c.store("w", [1, 2], [11, 12], Medium.CPU)
+    assert residency_digest(a, "w") != residency_digest(c, "w")

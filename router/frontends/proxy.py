@@ -42,6 +42,7 @@ from router.frontends.fleet import fleet_from_config
 from router.frontends.metrics import RouterMetrics
 from router.frontends.openai import BadRequest, ParsedRequest, RequestParser, SaltRule, merge_completions, salt_rule
 from router.frontends.openai import error_response as error
+from router.index.digest import residency_digest
 from router.scheduling import Decision, Dispatch, RouteRequest, RoutingCore
 from router.scheduling.disagg import PrefillPlan
 from router.tokenizer import PromptTokenizer, load_tokenizer
@@ -534,8 +535,10 @@ class ProxyServer:
         return web.json_response({"decisions": list(self.decisions)[-n:] if n else []})
 
     async def workers_state(self, request: web.Request) -> web.Response:
+        """Each worker's state; ``?digest=1`` adds its residency fingerprint (replicas compare them; O(blocks))."""
         now = time.monotonic()
         diagnoses = self.fleet.diagnose()
+        digest = request.query.get("digest") == "1"
         out = {}
         for wid, ep in self.core.endpoints.items():
             st = self.core.feeder.status(wid, now)
@@ -546,6 +549,8 @@ class ProxyServer:
                         "last_seq": st.last_seq, "blocks": {m.name: n for m, n in st.blocks.items()},
                         "inflight": load.requests if load else 0,
                         "problem": found.problem if found else None, "cause": found.cause if found else None}
+            if digest:
+                out[wid]["index_digest"] = residency_digest(self.core.index, wid)
         return web.json_response({"workers": out})
 
     async def drain(self, request: web.Request) -> web.Response:
