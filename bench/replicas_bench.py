@@ -48,8 +48,10 @@ def replica_args(bus: NatsServer, workers: Sequence[SimWorkerProcess], replica: 
     return args
 
 
-def admin_workers(admin_port: int) -> dict[str, Any]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/admin/workers", timeout=2) as r:
+def admin_workers(admin_port: int, digest: bool = False) -> dict[str, Any]:
+    """A replica's ``/admin/workers`` (with ``digest``: each worker's residency fingerprint)."""
+    url = f"http://127.0.0.1:{admin_port}/admin/workers" + ("?digest=1" if digest else "")
+    with urllib.request.urlopen(url, timeout=2) as r:
         return json.loads(r.read())["workers"]  # type: ignore[no-any-return]
 
 
