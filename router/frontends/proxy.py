@@ -34,7 +34,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import generate_latest
 
 from router.config import RouterConfig
 from router.frontends.api_paths import GENERATE_PATHS, TOKENIZER_PATHS
@@ -42,6 +41,7 @@ from router.frontends.fleet import fleet_from_config
 from router.frontends.metrics import RouterMetrics
 from router.frontends.openai import BadRequest, ParsedRequest, RequestParser, SaltRule, merge_completions, salt_rule
 from router.frontends.openai import error_response as error
+from router.frontends.processes import ProcessSlot, start_shared_load
 from router.scheduling import Decision, Dispatch, RouteRequest, RoutingCore
 from router.scheduling.disagg import PrefillPlan
 from router.tokenizer import PromptTokenizer, load_tokenizer
@@ -522,7 +522,7 @@ class ProxyServer:
         return web.json_response({"status": "ok" if ready else "no healthy workers"}, status=200 if ready else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8")
+        return web.Response(body=self.metrics.exposition(), content_type="text/plain", charset="utf-8")
 
     async def debug_decisions(self, request: web.Request) -> web.Response:
         try:
@@ -546,27 +546,41 @@ class ProxyServer:
                         "last_seq": st.last_seq, "blocks": {m.name: n for m, n in st.blocks.items()},
                         "inflight": load.requests if load else 0,
                         "problem": found.problem if found else None, "cause": found.cause if found else None}
-        return web.json_response({"workers": out})
+        shared = self.core.state.shared_load
+        if shared is None:
+            return web.json_response({"workers": out})
+        return web.json_response({"workers": out, "shared_load": shared.describe(now)})
 
     async def drain(self, request: web.Request) -> web.Response:
         wid = request.query.get("worker")
         if not wid:
             return error(400, "?worker=ID is required")
-        if not self.fleet.drain(wid, draining=request.path.endswith("/drain")):
+        draining = request.path.endswith("/drain")
+        if not self.fleet.drain(wid, draining=draining):
             return error(404, f"unknown worker {wid!r}", "NotFoundError")
+        if self.core.state.shared_load is not None:  # the other processes and replicas drain it too
+            self.core.state.shared_load.local_drained(wid, draining)
         return web.json_response({"worker": wid, "draining": self.core.endpoints[wid].draining})
 
 
-async def run_proxy(config: RouterConfig) -> None:
-    """Serve until cancelled: the proxy on ``listen``, admin and debug on ``admin`` (localhost by default)."""
+async def run_proxy(config: RouterConfig, slot: ProcessSlot | None = None) -> None:
+    """Serve until cancelled: the proxy on ``listen``, admin and debug on ``admin`` (localhost by default).
+    ``slot``: one of ``--processes N`` (router/frontends/processes.py): the port is shared (SO_REUSEPORT), the
+    load too, and admin is served by process 0 only."""
     server = ProxyServer(config)
     await server.start()
+    shared = start_shared_load(server.fleet, config, slot)
+    if shared is not None:
+        await shared.start()
     runners = []
+    sites = [(server.app(), config.listen)]
+    if slot is None or slot.serves_admin:
+        sites.append((server.admin_app(), config.admin))
     try:
-        for app, bind in ((server.app(), config.listen), (server.admin_app(), config.admin)):
+        for app, bind in sites:
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
-            await web.TCPSite(runner, bind.host, bind.port).start()
+            await web.TCPSite(runner, bind.host, bind.port, reuse_port=slot is not None).start()
             runners.append(runner)
         log.info("kvrouter serve: proxy on %s:%d, admin on %s:%d, policy %s", config.listen.host,
                  config.listen.port, config.admin.host, config.admin.port, config.routing.policy)
@@ -574,4 +588,6 @@ async def run_proxy(config: RouterConfig) -> None:
     finally:
         for runner in runners:
             await runner.cleanup()
+        if shared is not None:
+            await shared.stop()
         await server.stop()
