@@ -61,7 +61,7 @@ MAX_CHUNK = 62_000  # as the reference picker: under Envoy's default 64 KiB gRPC
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 FULL_DUPLEX = 4  # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
 BODY_NONE = 0  # ProcessingMode.BodySendMode.NONE: the response body does not pass through the picker
-SHARED_PORT_MAX_STREAMS = 8  # --processes N: streams per gateway connection (more connections to spread)
+SHARED_PORT_MAX_STREAMS = 4  # --processes N: streams per gateway connection to ask for (more connections to spread)
 
 
 @dataclass
@@ -439,13 +439,14 @@ async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, por
                     host: str = "0.0.0.0", max_message_bytes: int = 64 * 1024 * 1024,
                     started: asyncio.Event | None = None, grace_s: float = 10.0, reuse_port: bool = False) -> None:
     """Serve ext_proc (and gRPC health, on ``health_port`` or the same port) until cancelled, then drain.
-    ``reuse_port``: one of several processes on these ports; each advertises at most
-    ``SHARED_PORT_MAX_STREAMS`` concurrent streams per connection, so a gateway multiplexing every stream onto
-    one HTTP/2 connection opens more of them and the kernel can spread them over the processes."""
+    ``reuse_port``: one of several processes on these ports (the kernel spreads connections over them: a
+    gateway multiplexing every stream onto one HTTP/2 connection must be told to open several, e.g. Envoy's
+    cluster ``max_concurrent_streams`` at ``SHARED_PORT_MAX_STREAMS``; a server-side cap instead would refuse
+    the streams that race a closing one)."""
     options = [("grpc.max_receive_message_length", max_message_bytes),
                ("grpc.max_send_message_length", max_message_bytes)]
     if reuse_port:
-        options += [("grpc.so_reuseport", 1), ("grpc.max_concurrent_streams", SHARED_PORT_MAX_STREAMS)]
+        options.append(("grpc.so_reuseport", 1))
     server = grpc.aio.server(options=options)
     pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
     from router.frontends.rank import RankService
