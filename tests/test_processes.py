@@ -163,3 +163,25 @@ async def test_serve_processes_2_one_port_shared_load_metrics_and_restart():
         assert parent.wait(timeout=20) == 0  # the children stopped on the forwarded signal, the parent after them
     for w in workers:
         await w.runner.cleanup()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"processes": 0}, "processes must be at least 1"),
+    ({"processes": 2, "events_bind": "tcp://*:5557"}, "cannot share one events_bind"),
+    ({"load_bus": "redis://x"}, "expected a nats://"),
+    ({"replica_id": "a.b"}, "one NATS subject token"),
+])
+def test_processes_and_load_bus_settings_are_checked(overrides, message):
+    from router.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides, environ={})
+
+
+def test_processes_options_reach_the_config():
+    from router.cli import _load_router_config, build_parser
+
+    args = build_parser().parse_args(["serve", "--worker", "http://127.0.0.1:1", "--processes", "3", "--load-bus",
+                                      "nats://127.0.0.1:4222", "--replica-id", "r1"])
+    config = _load_router_config(args, {})
+    assert (config.processes, config.load_bus, config.replica_id) == (3, "nats://127.0.0.1:4222", "r1")
