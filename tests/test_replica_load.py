@@ -228,3 +228,27 @@ def test_replica_fold_equals_the_source_after_any_lifecycle(script):
     if len(folded) == len(source):  # nothing missing: every worker's load is the source's, exactly
         for wid in ("w0", "w1", "w2"):
             assert same_load(b.load.load(wid), a.load.load(wid)), wid
+
+
+def test_replica_batches_fit_the_transports_limit():
+    a, ea = replica("a")
+    b, eb = replica("b")
+    for i in range(40):
+        send(a, request(f"r{i}", blocks=64, base=1000 * i), "w0", 0.0)
+    whole = len(ea.heartbeat())  # everything in one envelope: the size to stay under
+    for i in range(40, 80):
+        send(a, request(f"r{i}", blocks=64, base=1000 * i), "w0", 0.0)
+    limit = whole // 4
+    batches = []
+    while (data := ea.take_batch(limit)) is not None:
+        batches.append(data)
+    assert len(batches) > 1 and all(len(d) <= limit for d in batches)
+    for d in batches:
+        eb.receive(d, 0.0)
+    assert eb.peers["a"].gaps == 0  # heard from its second envelope on: the split batches come in sequence
+    beat = ea.heartbeat(max_bytes=100)  # too big with its list of 80 requests: a bare sign of life
+    assert _decode(beat).live is None and len(beat) <= 100
+    eb.receive(beat, 0.1)
+    assert b.load.workers["w0"].requests == 40  # the 40 of the envelope that was skipped stay missing
+    eb.receive(ea.heartbeat(), 0.2)
+    assert eb.peers["a"].missing == 40 and b.load.workers["w0"].requests == 40

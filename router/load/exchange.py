@@ -186,33 +186,45 @@ class LoadExchange:
         if len(self._outbox) == 1 and self.wake is not None:
             self.wake()
 
-    def take_batch(self) -> bytes | None:
-        """The deltas since the last batch as one envelope, or None when there are none."""
+    def take_batch(self, max_bytes: int | None = None) -> bytes | None:
+        """The deltas since the last batch as one envelope, or None when there are none. ``max_bytes``: the
+        transport's limit; the first deltas that fit are taken (call again for the rest)."""
         if not self._outbox:
             return None
-        return self._envelope(None)
+        n = len(self._outbox)
+        while True:
+            data = _encode(Envelope(self.replica_id, self.incarnation, self._seq, self._outbox[:n]))
+            if max_bytes is None or len(data) <= max_bytes or n == 1:
+                break
+            n //= 2
+        del self._outbox[:n]
+        self._seq += 1
+        return data
 
-    def heartbeat(self) -> bytes:
+    def heartbeat(self, max_bytes: int | None = None) -> bytes:
         """An envelope with any pending deltas and the list of this replica's requests in flight (a request
-        the tracker dropped without an end, its worker removed, is dropped here too)."""
+        the tracker dropped without an end, its worker removed, is dropped here too). Over ``max_bytes`` it
+        goes without the list: a sign of life that repairs nothing this time."""
         inflight = self.tracker.inflight
         self._local.intersection_update(inflight.keys())
         live = []
         for rid in self._local:
             r = inflight[rid]
             live.append(Live(rid, r.worker_id, r.uncached_tokens, r.first_token_at is not None))
-        return self._envelope(live)
+        data = _encode(Envelope(self.replica_id, self.incarnation, self._seq, self._outbox, live))
+        if max_bytes is not None and len(data) > max_bytes:
+            data = _encode(Envelope(self.replica_id, self.incarnation, self._seq, self._outbox, None))
+        self._outbox = []
+        self._seq += 1
+        return data
 
     def farewell(self) -> bytes:
         """The last envelope of a replica shutting down: nothing of it is in flight any more."""
         self._local.clear()
-        return self._envelope([])
-
-    def _envelope(self, live: list[str] | None) -> bytes:
-        deltas, self._outbox = self._outbox, []
-        env = Envelope(self.replica_id, self.incarnation, self._seq, deltas, live)
+        data = _encode(Envelope(self.replica_id, self.incarnation, self._seq, [], []))
+        self._outbox = []
         self._seq += 1
-        return _encode(env)
+        return data
 
     # ---- the others' ----------------------------------------------------------------------------------
     def receive(self, data: bytes, now: float) -> str | None:
