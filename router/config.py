@@ -90,7 +90,7 @@ class RouterConfig:
     prefill_timeout_s: float = 30.0  # disaggregation: a prefill worker slower than this is given up on (fallback)
     decision_log_size: int = 100
     # shared in-flight load (router/load/exchange.py): replicas over NATS core subjects; the processes of one
-    # router (processes > 1) over local ipc:// sockets unless load_bus is set
+    # router (processes > 1) over local Unix sockets unless load_bus is set
     load_bus: str | None = None  # nats://host:4222: every replica publishes its deltas, folds the others'
     replica_id: str | None = None  # this replica's name on the bus (default: host-pid)
     processes: int = 1  # serve/epp: this many processes on one port (SO_REUSEPORT), sharing their load

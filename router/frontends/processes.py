@@ -5,9 +5,9 @@ One Python process routes on one core. Here a parent starts N children (``spawn`
 state is inherited), each a whole router: its own fleet (health probes, metric scrapes, a subscription to
 every engine's KV events, so every index is exact by itself) and its own listening socket on the same port
 (SO_REUSEPORT: the kernel spreads connections over them). What no child can see for itself is the load the
-others put on each worker; they share it through ``LoadExchange`` deltas over ``ipc://`` sockets (or over the
-NATS load bus when one is configured, each child then a replica of its own there), so each decision counts
-every request in flight from the pod.
+others put on each worker; they share it through ``LoadExchange`` deltas over Unix datagram sockets (or over
+the NATS load bus when one is configured, each child then a replica of its own there), so each decision
+counts every request in flight from the pod.
 
 The parent only supervises: SIGTERM and SIGINT go to every child (each drains as a lone router does), a child
 that dies is reported and restarted (at most once a second each), and the parent exits when all have.
