@@ -53,6 +53,7 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
               "transfer-encoding", "upgrade", "host", "content-length"}
 USAGE_TAIL_BYTES = 8192
 MAX_JSON_TAIL_BYTES = 4 * 1024 * 1024  # a non-streamed answer longer than this is relayed, not parsed for usage
+WHOLE_BODY_BYTES = 1024 * 1024  # a non-streamed answer up to this long is read whole and sent in one write
 MAX_MERGED_BYTES = 64 * 1024 * 1024  # one prompt's answer in a batch is read whole (to merge): at most this
 RESPONSES_FIRST_TOKEN = b"response.output_text.delta"  # a Responses stream opens with events before any token
 
@@ -421,14 +422,17 @@ class ProxyServer:
         if attempt + 1 < attempts:
             self.metrics.retries.inc()
 
+    def _answer_headers(self, upstream: aiohttp.ClientResponse, worker_id: str) -> dict[str, str]:
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers["x-kvrouter-worker"] = worker_id
+        return headers
+
     async def _relay(self, request: web.Request, handle: Dispatch, parsed: ParsedRequest,
                      upstream: aiohttp.ClientResponse, started: float) -> web.StreamResponse:
+        if not parsed.stream and upstream.content_length is not None and upstream.content_length <= WHOLE_BODY_BYTES:
+            return await self._relay_whole(handle, upstream, started)
         wid, rid = handle.worker_id, handle.request.request_id
-        resp = web.StreamResponse(status=upstream.status)
-        for k, v in upstream.headers.items():
-            if k.lower() not in HOP_BY_HOP:
-                resp.headers[k] = v
-        resp.headers["x-kvrouter-worker"] = wid
+        resp = web.StreamResponse(status=upstream.status, headers=self._answer_headers(upstream, wid))
         tail = b""
         first = True
         streamed = parsed.stream
@@ -464,6 +468,36 @@ class ProxyServer:
             self.metrics.truncated.inc()
             await self._abort(request, resp, streamed and upstream.status == 200, f"worker {wid} failed: {e!r}")
             return resp
+        self._answered(handle, upstream, tail, streamed, started)
+        return resp
+
+    async def _relay_whole(self, handle: Dispatch, upstream: aiohttp.ClientResponse,
+                           started: float) -> web.Response:
+        """A non-streamed answer of known, bounded length, read whole and sent as one response: headers and
+        body leave in one write, without chunked framing (three writes a request fewer than relaying it). A
+        worker failing before its end is a clean 502, since the client has had nothing yet."""
+        wid = handle.worker_id
+        try:
+            body = await upstream.read()
+        except asyncio.CancelledError:
+            upstream.close()
+            handle.complete(time.monotonic())
+            self.metrics.requests.labels("499").inc()
+            raise
+        except (aiohttp.ClientError, TimeoutError) as e:
+            log.warning("worker %s failed mid-response for %s: %r", wid, handle.request.request_id, e)
+            upstream.close()
+            self.fleet.mark_failure(wid)
+            handle.complete(time.monotonic())
+            self.metrics.requests.labels("502").inc()
+            return error(502, f"worker {wid} failed: {e!r}", "BadGatewayError", {"x-kvrouter-worker": wid})
+        self._answered(handle, upstream, body, False, started)
+        return web.Response(status=upstream.status, body=body, headers=self._answer_headers(upstream, wid))
+
+    def _answered(self, handle: Dispatch, upstream: aiohttp.ClientResponse, tail: bytes, streamed: bool,
+                  started: float) -> None:
+        """The worker's answer is complete: end the lifecycle, count it, and read its usage (``tail``: the last
+        SSE chunks, or the JSON body)."""
         now = time.monotonic()
         if not streamed:
             handle.first_token(now, learn=False)  # only a stream tells when the first token came
@@ -478,7 +512,6 @@ class ProxyServer:
                 self.metrics.hit_reported.inc(reported)
                 handle.observed_cached(reported, now)
             self.metrics.prompt_tokens.inc(handle.request.prompt_tokens)
-        return resp
 
     @staticmethod
     async def _abort(request: web.Request, resp: web.StreamResponse, sse: bool, message: str) -> None:
