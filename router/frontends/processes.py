@@ -86,7 +86,19 @@ def start_shared_load(fleet: Fleet, config: RouterConfig, slot: ProcessSlot | No
 
 
 # ---- the children --------------------------------------------------------------------------------------
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this child when the parent dies, even by SIGKILL, so no orphan keeps serving the port."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _child(command: str, config: RouterConfig, slot: ProcessSlot, log_level: str) -> None:
+    _die_with_parent()
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s p{slot.index} %(name)s: %(message)s")
     if command == "serve":
         from router.frontends.proxy import run_proxy as runner
