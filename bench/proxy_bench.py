@@ -81,8 +81,10 @@ def run(quick: bool = False) -> dict[str, Any]:
             if processes > 1:  # the port opens with the first child: wait for them all
                 _wait_processes(f"http://127.0.0.1:{admin_port}", processes)
             targets[name] = [f"http://127.0.0.1:{kv_port}"]
+        pids = {name: proc.pid for name, proc in routers.items()}
         try:
             targets["smg"] = [stack.enter_context(smg(worker_urls))]
+            pids["smg"] = _listening_pid(int(targets["smg"][0].rsplit(":", 1)[1]))
         except PeerUnavailable as e:
             out["smg"] = {"skipped": str(e)}
         c1: dict[str, list[float]] = {name: [] for name in targets}
@@ -90,10 +92,12 @@ def run(quick: bool = False) -> dict[str, Any]:
             for name, urls in targets.items():
                 c1[name] += asyncio.run(_c1(urls, n_c1, r * n_c1))
         rps: dict[str, list[float]] = {name: [] for name in targets}
-        cpu_ms: dict[str, list[float]] = {name: [] for name in routers}
+        cpu_ms: dict[str, list[float]] = {name: [] for name in pids}
+        busy: dict[str, list[float]] = {name: [] for name in targets}
         for r in range(max(2, rounds // 2)):
             for name, urls in targets.items():
-                before = _cpu_s(routers[name].pid) if name in routers else 0.0
+                before = _cpu_s(pids[name]) if name in pids else 0.0
+                box = _box_cpu()
                 if name == "direct":  # split the load over both workers, as a router would
                     res = asyncio.run(_split(urls, n_c32))
                 else:
@@ -101,19 +105,22 @@ def run(quick: bool = False) -> dict[str, Any]:
                 if res.errors:
                     raise RuntimeError(f"{name}: {res.errors} failed requests at concurrency 32")
                 rps[name].append(res.rps)
-                if name in routers:
-                    cpu_ms[name].append((_cpu_s(routers[name].pid) - before) * 1e3 / n_c32)
+                busy[name].append(_box_busy(box))
+                if name in pids:
+                    cpu_ms[name].append((_cpu_s(pids[name]) - before) * 1e3 / n_c32)
     direct_p50 = statistics.median(c1["direct"])
     direct_p99 = p99(c1["direct"])
     out["direct"] = {"p50_ms_c1": round(direct_p50, 3), "p99_ms_c1": round(direct_p99, 3),
-                     "rps_c32": round(statistics.median(rps["direct"]), 1)}
+                     "rps_c32": round(statistics.median(rps["direct"]), 1),
+                     "box_busy_c32": round(statistics.median(busy["direct"]), 3)}
     for name in targets:
         if name == "direct":
             continue
         p50, p99_ms = statistics.median(c1[name]), p99(c1[name])
         out[name] = {"p50_ms_c1": round(p50, 3), "p99_ms_c1": round(p99_ms, 3),
                      "added_p50_ms_c1": round(p50 - direct_p50, 3), "added_p99_ms_c1": round(p99_ms - direct_p99, 3),
-                     "rps_c32": round(statistics.median(rps[name]), 1)}
+                     "rps_c32": round(statistics.median(rps[name]), 1),
+                     "box_busy_c32": round(statistics.median(busy[name]), 3)}
     for name, ms in cpu_ms.items():
         out[name]["cpu_ms_per_request"] = round(statistics.median(ms), 3)
     if "rps_c32" in out.get("smg", {}):
@@ -124,6 +131,36 @@ def run(quick: bool = False) -> dict[str, Any]:
                          "rps_c32_2p_vs_1p": round(mine["rps_c32"] / out["kvrouter"]["rps_c32"], 3)}
     out["requests"] = {"c1_per_target": n_c1 * rounds, "c32_per_round": n_c32}
     return out
+
+
+def _listening_pid(port: int) -> int:
+    """The process listening on ``port`` (smg's, for its CPU time), by its socket's inode in /proc."""
+    inode = None
+    with open("/proc/net/tcp") as fh:
+        for line in fh.readlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                inode = f[9]
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                    return int(pid)
+    raise RuntimeError(f"no process listens on port {port}")
+
+
+def _box_cpu() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine, from /proc/stat."""
+    with open("/proc/stat") as fh:
+        values = [int(v) for v in fh.readline().split()[1:]]
+    idle = values[3] + values[4]
+    return sum(values) - idle, sum(values)
+
+
+def _box_busy(since: tuple[int, int]) -> float:
+    """The fraction of every core busy since ``since`` (every process of the machine, this bench's or not)."""
+    busy, total = _box_cpu()
+    return (busy - since[0]) / max(1, total - since[1])
 
 
 def _wait_processes(admin_url: str, processes: int, timeout: float = 60.0) -> None:
@@ -168,7 +205,11 @@ def main(args: argparse.Namespace) -> int:
             print(f"{name:<10}{r['p50_ms_c1']:>11.3f}{r['p99_ms_c1']:>11.3f}{r.get('added_p50_ms_c1', 0):>11.3f}"
                   f"{r.get('added_p99_ms_c1', 0):>11.3f}{r['rps_c32']:>11.0f}")
     print(f"kvrouter CPU per request (parse, tokenize, decide, relay): {res['kvrouter']['cpu_ms_per_request']:.3f} ms"
-          f" (1 process), {res['kvrouter-2p']['cpu_ms_per_request']:.3f} ms (2 processes)")
+          f" (1 process), {res['kvrouter-2p']['cpu_ms_per_request']:.3f} ms (2 processes); smg "
+          f"{res.get('smg', {}).get('cpu_ms_per_request', float('nan')):.3f} ms")
+    print("machine busy during the c32 runs: " + ", ".join(f"{n} {res[n]['box_busy_c32']:.0%}" for n in
+                                                           ("direct", "kvrouter", "kvrouter-2p", "smg") if n in res
+                                                           and "box_busy_c32" in res[n]))
     if "ratios" in res:
         q = res["ratios"]
         print(f"kvrouter --processes 2 vs smg, same run: req/s c32 {q['rps_c32_vs_smg']:.2f}x (target >= 1.0), "
