@@ -252,3 +252,24 @@ def test_replica_batches_fit_the_transports_limit():
     assert b.load.workers["w0"].requests == 40  # the 40 of the envelope that was skipped stay missing
     eb.receive(ea.heartbeat(), 0.2)
     assert eb.peers["a"].missing == 40 and b.load.workers["w0"].requests == 40
+
+
+def test_replica_routes_a_new_prefix_after_the_others_dispatch_of_it():
+    """Replica a sends a new prefix to w1 and it is prefilled there; before any engine event, replica b's next
+    request with that prefix follows it (the speculative prefix travels with the dispatch), where by load alone
+    it would go to w0."""
+    picks = {}
+    for shared_prefix in (False, True):
+        a, ea = replica("a")
+        b, eb = replica("b")
+        for core in (a, b):
+            core.profile = RoutingCore(RoutingConfig(policy="precise", block_size=BS, seed=1)).profile
+        if shared_prefix:
+            eb.on_remote_dispatch = lambda wid, keys, now, b=b: b.state.speculative.record(wid, keys, now) and None
+        send(b, request("busy", base=50_000), "w1", 0.0)  # load on w1: by load alone, w0
+        send(a, request("first", blocks=256, base=777), "w1", 0.0).first_token(0.05)  # prefilled, no event yet
+        eb.receive(ea.take_batch(), 0.05)
+        decision = b.decide(request("second", blocks=256, base=777), 0.1)
+        picks[shared_prefix] = (decision.ranked[0],
+                                next(c for c in decision.candidates if c.worker_id == "w1").speculative)
+    assert picks == {False: ("w0", 0), True: ("w1", 256)}

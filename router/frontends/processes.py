@@ -81,6 +81,7 @@ def start_shared_load(fleet: Fleet, config: RouterConfig, slot: ProcessSlot | No
     exchange = LoadExchange(core.load, replica, config.routing.block_size,
                             max_request_age_s=config.upstream_timeout_s + 60.0)
     exchange.on_drain = lambda wid, draining: fleet.drain(wid, draining)
+    exchange.on_remote_dispatch = lambda wid, keys, now: core.state.speculative.record(wid, keys, now) and None
     core.state.shared_load = exchange
     return LoadSync(exchange, bus, clock=fleet.clock)
 

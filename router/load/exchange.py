@@ -157,6 +157,9 @@ class LoadExchange:
         self.stats = ExchangeStats()
         self.wake: Callable[[], None] | None = None
         self.on_drain: Callable[[str, bool], None] | None = None  # another replica drained a worker
+        # another replica sent these block keys to this worker (the speculative prefixes: a burst of one new
+        # prefix then follows the first of it on every replica, before the engine's events say where it is)
+        self.on_remote_dispatch: Callable[[str, Sequence[int], float], None] | None = None
         self._seq = 0
         self._outbox: list[Delta] = []
         self._local: set[str] = set()  # own requests in flight (published)
@@ -286,8 +289,11 @@ class LoadExchange:
         t = self.tracker
         if type(d) is Dispatched:
             peer.requests.add(d.request_id)
+            keys = unpack_keys(d.keys)
             t.dispatch(prefix + d.request_id, d.worker_id, d.prompt_tokens, d.uncached_tokens, d.max_tokens, now,
-                       d.predicted_ttft_s, unpack_keys(d.keys), self.block_size, tail=d.tail_blocks)
+                       d.predicted_ttft_s, keys, self.block_size, tail=d.tail_blocks)
+            if self.on_remote_dispatch is not None:
+                self.on_remote_dispatch(d.worker_id, keys, now)
         elif type(d) is FirstToken:
             t.first_token(prefix + d.request_id, now)
         elif type(d) is Ended:
