@@ -8,7 +8,8 @@ everything the accounting needs: worker, prompt tokens, uncached tokens, max_tok
 little-endian uint64 bytes, the tail blocks; the first token; the end, served or failed alike; a reassign to
 another worker), and folds the others' deltas into its tracker under ids of their own (``replica/request``),
 so every ``WorkerLoad`` the scorers, filters and the objective read (requests, pending prefill, decoding,
-active KV blocks, the release schedule) counts the fleet's requests, not one replica's.
+active KV blocks, the release schedule) counts the fleet's requests, not one replica's. ``on_remote_dispatch``
+hands a folded dispatch's keys to the adapter (the speculative prefixes: where a new prefix was just sent).
 
 Envelopes carry a replica id, an incarnation (random per process start: a restarted replica's old requests
 are dropped at its first message) and a per-replica sequence, so a lost message shows as a gap. A heartbeat
