@@ -84,6 +84,17 @@ def router_children(parent: int) -> list[int]:
     return out
 
 
+def listeners(port: int) -> int:
+    """Sockets listening on ``port`` (SO_REUSEPORT: one per process)."""
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in fh.readlines()[1:]:
+                f = line.split()
+                n += f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port
+    return n
+
+
 async def test_serve_processes_2_one_port_shared_load_metrics_and_restart():
     workers = [HeldWorker(), HeldWorker()]
     for w in workers:
@@ -106,6 +117,11 @@ async def test_serve_processes_2_one_port_shared_load_metrics_and_restart():
             return len(await peers()) == 1
 
         await until(sibling_heard)
+
+        async def both_listening() -> bool:  # else every connection opened now lands on the first one
+            return listeners(port) == 2
+
+        await until(both_listening)
         sessions = [aiohttp.ClientSession() for _ in range(REQUESTS)]  # one connection each: the kernel spreads them
         try:
             answers = [await s.post(f"http://127.0.0.1:{port}/v1/completions", json=body) for s in sessions]
