@@ -106,8 +106,11 @@ class ProxyServer:
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.upstream_timeout_s, sock_connect=2.0)
+        # no cookie jar: a worker's Set-Cookie belongs to the client it answered, never to the next request
+        # (and keeping none spares every request the jar's filtering)
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
-                                              connector=aiohttp.TCPConnector(limit=0))
+                                              connector=aiohttp.TCPConnector(limit=0),
+                                              cookie_jar=aiohttp.DummyCookieJar())
         await self.fleet.start()
 
     async def stop(self) -> None:
