@@ -477,7 +477,7 @@ class ProxyServer:
     async def _relay_whole(self, handle: Dispatch, upstream: aiohttp.ClientResponse,
                            started: float) -> web.Response:
         """A non-streamed answer of known, bounded length, read whole and sent as one response: headers and
-        body leave in one write, without chunked framing (three writes a request fewer than relaying it). A
+        body leave in one write, without chunked framing (relayed, they take three: headers, chunk, last chunk). A
         worker failing before its end is a clean 502, since the client has had nothing yet."""
         wid = handle.worker_id
         try:
