@@ -215,3 +215,54 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvrouter --processes 2 vs smg, same run: req/s c32 {q['rps_c32_vs_smg']:.2f}x (target >= 1.0), "
               f"added p50 c1 {q['added_p50_c1_vs_smg']}x (target <= 1.5); 2 vs 1 process {q['rps_c32_2p_vs_1p']:.2f}x")
     return 0
+
+
+def against_revision(revision: str, rounds: int = 6, n: int = 600) -> dict[str, Any]:
+    """``kvrouter serve`` of this tree against the same of git ``revision``, one process each, in one run:
+    interleaved rounds of c1 latency, c32 requests/s and CPU per request (the least noisy of the three on a
+    shared machine)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from bench.load import port_open, running
+
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="kvrouter-ab-") as old_tree:
+        archive = subprocess.run(["git", "-C", root, "archive", revision], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", old_tree], input=archive, check=True)
+        workers = sim_workers(stack, 2, "--time-scale", "0")
+        urls, pids = {}, {}
+        for name, tree in ((revision, old_tree), ("this tree", root)):
+            port = free_port()
+            cmd = [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                   "--admin-port", str(free_port()), "--policy", "precise"]
+            for w in workers:
+                cmd += ["--worker", w.spec]
+            proc = stack.enter_context(running(cmd, port_open(port), 60, name, cwd=tree,
+                                               env={**os.environ, "PYTHONPATH": tree}))
+            urls[name], pids[name] = f"http://127.0.0.1:{port}", proc.pid
+        lat: dict[str, list[float]] = {k: [] for k in urls}
+        rps: dict[str, list[float]] = {k: [] for k in urls}
+        cpu: dict[str, list[float]] = {k: [] for k in urls}
+        for r in range(rounds):
+            for name, url in urls.items():
+                lat[name] += asyncio.run(_c1([url], n // 4, r * n))
+                before = _cpu_s(pids[name])
+                res = asyncio.run(drive(url + "/v1/completions", _bodies(n, r), 32))
+                if res.errors:
+                    raise RuntimeError(f"{name}: {res.errors} failed requests")
+                cpu[name].append((_cpu_s(pids[name]) - before) * 1e3 / n)
+                rps[name].append(res.rps)
+    return {name: {"p50_ms_c1": round(statistics.median(lat[name]), 3),
+                   "rps_c32": round(statistics.median(rps[name]), 1),
+                   "cpu_ms_per_request": round(statistics.median(cpu[name]), 3)} for name in urls}
+
+
+if __name__ == "__main__":  # python -m bench.proxy_bench --baseline REV
+    cli = argparse.ArgumentParser(description="this tree's proxy against a git revision's, in one run")
+    cli.add_argument("--baseline", required=True, help="a git revision, e.g. HEAD~3")
+    cli.add_argument("--rounds", type=int, default=6)
+    given = cli.parse_args()
+    print(json.dumps(against_revision(given.baseline, given.rounds), indent=2))
