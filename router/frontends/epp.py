@@ -44,6 +44,7 @@ from router.frontends.api_paths import GENERATE_PATHS, TOKENIZER_PATHS, api_path
 from router.frontends.fleet import Fleet, fleet_from_config
 from router.frontends.metrics import RouterMetrics
 from router.frontends.openai import BadRequest, RequestParser, salt_rule
+from router.frontends.processes import ProcessSlot, start_shared_load
 from router.frontends.proxy import cached_tokens_from
 from router.scheduling import Decision, Dispatch, RouteRequest, RoutingCore
 from router.tokenizer import PromptTokenizer
@@ -60,6 +61,7 @@ MAX_CHUNK = 62_000  # as the reference picker: under Envoy's default 64 KiB gRPC
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 FULL_DUPLEX = 4  # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
 BODY_NONE = 0  # ProcessingMode.BodySendMode.NONE: the response body does not pass through the picker
+SHARED_PORT_MAX_STREAMS = 4  # --processes N: streams per gateway connection to ask for (more connections to spread)
 
 
 @dataclass
@@ -391,16 +393,21 @@ def update_readiness(servicer: health.HealthServicer, core: RoutingCore, now: fl
     return ready
 
 
-async def run_epp(config: RouterConfig, started: asyncio.Event | None = None) -> None:
-    """``kvrouter epp``: the picker, gRPC health, Prometheus metrics on their own port, admin on localhost."""
+async def run_epp(config: RouterConfig, started: asyncio.Event | None = None,
+                  slot: ProcessSlot | None = None) -> None:
+    """``kvrouter epp``: the picker, gRPC health, Prometheus metrics on their own port, admin on localhost.
+    ``slot``: one of ``--processes N`` (router/frontends/processes.py): every port shared (SO_REUSEPORT), the
+    in-flight load too."""
     from aiohttp import web
-    from prometheus_client import generate_latest
 
     from router.tokenizer import load_tokenizer
 
     core = RoutingCore(config.routing)
     fleet = fleet_from_config(core, config)
     await fleet.start()
+    shared = start_shared_load(fleet, config, slot)
+    if shared is not None:
+        await shared.start()
     metrics = RouterMetrics(fleet)
 
     def tokenizer_for(model: str | None) -> PromptTokenizer:
@@ -411,27 +418,35 @@ async def run_epp(config: RouterConfig, started: asyncio.Event | None = None) ->
                             session_header=config.session_header, max_body_bytes=config.max_body_bytes)
 
     async def prometheus(_: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(metrics.registry), content_type="text/plain", charset="utf-8")
+        return web.Response(body=metrics.exposition(), content_type="text/plain", charset="utf-8")
 
     app = web.Application()
     app.add_routes([web.get("/metrics", prometheus)])
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, config.epp.metrics_host, config.epp.metrics_port).start()
+    await web.TCPSite(runner, config.epp.metrics_host, config.epp.metrics_port, reuse_port=slot is not None).start()
     try:
         await serve_epp(core, fleet, picker, config.epp.port, config.epp.health_port, config.epp.host,
-                        started=started, grace_s=config.epp.grace_s)
+                        started=started, grace_s=config.epp.grace_s, reuse_port=slot is not None)
     finally:
         await runner.cleanup()
+        if shared is not None:
+            await shared.stop()
         await fleet.stop()
 
 
 async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, port: int, health_port: int | None,
                     host: str = "0.0.0.0", max_message_bytes: int = 64 * 1024 * 1024,
-                    started: asyncio.Event | None = None, grace_s: float = 10.0) -> None:
-    """Serve ext_proc (and gRPC health, on ``health_port`` or the same port) until cancelled, then drain."""
+                    started: asyncio.Event | None = None, grace_s: float = 10.0, reuse_port: bool = False) -> None:
+    """Serve ext_proc (and gRPC health, on ``health_port`` or the same port) until cancelled, then drain.
+    ``reuse_port``: one of several processes on these ports (the kernel spreads connections over them: a
+    gateway multiplexing every stream onto one HTTP/2 connection must be told to open several, e.g. Envoy's
+    cluster ``max_concurrent_streams`` at ``SHARED_PORT_MAX_STREAMS``; a server-side cap instead would refuse
+    the streams that race a closing one)."""
     options = [("grpc.max_receive_message_length", max_message_bytes),
                ("grpc.max_send_message_length", max_message_bytes)]
+    if reuse_port:
+        options.append(("grpc.so_reuseport", 1))
     server = grpc.aio.server(options=options)
     pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
     from router.frontends.rank import RankService
@@ -445,7 +460,7 @@ async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, por
     if health_port is None or health_port == port:
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     else:
-        health_server = grpc.aio.server()
+        health_server = grpc.aio.server(options=[("grpc.so_reuseport", 1)] if reuse_port else None)
         health_pb2_grpc.add_HealthServicer_to_server(hs, health_server)
         health_server.add_insecure_port(f"{host}:{health_port}")
         await health_server.start()

@@ -1,17 +1,28 @@
-"""Prometheus metrics of the router itself (one registry per router instance)."""
+"""Prometheus metrics of the router itself (one registry per router instance).
+
+Under ``--processes N`` (router/frontends/processes.py) the children run in prometheus_client's multiprocess
+mode: every counter and histogram is kept in per-process files in ``PROMETHEUS_MULTIPROC_DIR``, and a scrape of
+any child sums them, so the pod's ``/metrics`` is one router's whatever process answers it. The fleet gauges
+(in-flight load, index state, health) are computed at scrape time from the answering process's own state, the
+same in every process: each has the whole index from the events and the pod's load from the exchange.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from router.frontends.diagnosis import PROBLEMS
 
 if TYPE_CHECKING:
     from router.frontends.fleet import Fleet
     from router.scheduling import Decision
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own variable: set, the counters are per-process files
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -73,7 +84,8 @@ class _FleetState:
 class RouterMetrics:
     def __init__(self, fleet: Fleet) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_FleetState(fleet))  # type: ignore[arg-type]
+        self._fleet_state = _FleetState(fleet)
+        self.registry.register(self._fleet_state)  # type: ignore[arg-type]
         r = self.registry
         self.decisions = Counter("kvrouter_decisions", "Routing decisions.", ["policy", "outcome", "credit"],
                                  registry=r)
@@ -99,3 +111,14 @@ class RouterMetrics:
         """One routing decision, by policy, outcome and whether any candidate could be credited a prefix."""
         credited = any(c.prefix_credit for c in decision.candidates if not c.filtered)
         self.decisions.labels(decision.policy, decision.outcome, str(credited).lower()).inc()
+
+    def exposition(self) -> bytes:
+        """The text a scrape gets: this router's registry, or the counters summed over every process of the
+        pod in multiprocess mode (plus the fleet gauges, from this process)."""
+        directory = os.environ.get(MULTIPROC_ENV)
+        if not directory:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, directory)
+        registry.register(self._fleet_state)  # type: ignore[arg-type]
+        return generate_latest(registry)

@@ -34,7 +34,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import generate_latest
 
 from router.config import RouterConfig
 from router.frontends.api_paths import GENERATE_PATHS, TOKENIZER_PATHS
@@ -42,6 +41,7 @@ from router.frontends.fleet import fleet_from_config
 from router.frontends.metrics import RouterMetrics
 from router.frontends.openai import BadRequest, ParsedRequest, RequestParser, SaltRule, merge_completions, salt_rule
 from router.frontends.openai import error_response as error
+from router.frontends.processes import ProcessSlot, start_shared_load
 from router.index.digest import residency_digest
 from router.scheduling import Decision, Dispatch, RouteRequest, RoutingCore
 from router.scheduling.disagg import PrefillPlan
@@ -54,6 +54,7 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
               "transfer-encoding", "upgrade", "host", "content-length"}
 USAGE_TAIL_BYTES = 8192
 MAX_JSON_TAIL_BYTES = 4 * 1024 * 1024  # a non-streamed answer longer than this is relayed, not parsed for usage
+WHOLE_BODY_BYTES = 1024 * 1024  # a non-streamed answer up to this long is read whole and sent in one write
 MAX_MERGED_BYTES = 64 * 1024 * 1024  # one prompt's answer in a batch is read whole (to merge): at most this
 RESPONSES_FIRST_TOKEN = b"response.output_text.delta"  # a Responses stream opens with events before any token
 
@@ -106,8 +107,11 @@ class ProxyServer:
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.upstream_timeout_s, sock_connect=2.0)
+        # no cookie jar: a worker's Set-Cookie belongs to the client it answered, never to the next request
+        # (and keeping none spares every request the jar's filtering)
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
-                                              connector=aiohttp.TCPConnector(limit=0))
+                                              connector=aiohttp.TCPConnector(limit=0),
+                                              cookie_jar=aiohttp.DummyCookieJar())
         await self.fleet.start()
 
     async def stop(self) -> None:
@@ -422,14 +426,17 @@ class ProxyServer:
         if attempt + 1 < attempts:
             self.metrics.retries.inc()
 
+    def _answer_headers(self, upstream: aiohttp.ClientResponse, worker_id: str) -> dict[str, str]:
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers["x-kvrouter-worker"] = worker_id
+        return headers
+
     async def _relay(self, request: web.Request, handle: Dispatch, parsed: ParsedRequest,
                      upstream: aiohttp.ClientResponse, started: float) -> web.StreamResponse:
+        if not parsed.stream and upstream.content_length is not None and upstream.content_length <= WHOLE_BODY_BYTES:
+            return await self._relay_whole(handle, upstream, started)
         wid, rid = handle.worker_id, handle.request.request_id
-        resp = web.StreamResponse(status=upstream.status)
-        for k, v in upstream.headers.items():
-            if k.lower() not in HOP_BY_HOP:
-                resp.headers[k] = v
-        resp.headers["x-kvrouter-worker"] = wid
+        resp = web.StreamResponse(status=upstream.status, headers=self._answer_headers(upstream, wid))
         tail = b""
         first = True
         streamed = parsed.stream
@@ -465,6 +472,36 @@ class ProxyServer:
             self.metrics.truncated.inc()
             await self._abort(request, resp, streamed and upstream.status == 200, f"worker {wid} failed: {e!r}")
             return resp
+        self._answered(handle, upstream, tail, streamed, started)
+        return resp
+
+    async def _relay_whole(self, handle: Dispatch, upstream: aiohttp.ClientResponse,
+                           started: float) -> web.Response:
+        """A non-streamed answer of known, bounded length, read whole and sent as one response: headers and
+        body leave in one write, without chunked framing (relayed, they take three: headers, chunk, last chunk). A
+        worker failing before its end is a clean 502, since the client has had nothing yet."""
+        wid = handle.worker_id
+        try:
+            body = await upstream.read()
+        except asyncio.CancelledError:
+            upstream.close()
+            handle.complete(time.monotonic())
+            self.metrics.requests.labels("499").inc()
+            raise
+        except (aiohttp.ClientError, TimeoutError) as e:
+            log.warning("worker %s failed mid-response for %s: %r", wid, handle.request.request_id, e)
+            upstream.close()
+            self.fleet.mark_failure(wid)
+            handle.complete(time.monotonic())
+            self.metrics.requests.labels("502").inc()
+            return error(502, f"worker {wid} failed: {e!r}", "BadGatewayError", {"x-kvrouter-worker": wid})
+        self._answered(handle, upstream, body, False, started)
+        return web.Response(status=upstream.status, body=body, headers=self._answer_headers(upstream, wid))
+
+    def _answered(self, handle: Dispatch, upstream: aiohttp.ClientResponse, tail: bytes, streamed: bool,
+                  started: float) -> None:
+        """The worker's answer is complete: end the lifecycle, count it, and read its usage (``tail``: the last
+        SSE chunks, or the JSON body)."""
         now = time.monotonic()
         if not streamed:
             handle.first_token(now, learn=False)  # only a stream tells when the first token came
@@ -479,7 +516,6 @@ class ProxyServer:
                 self.metrics.hit_reported.inc(reported)
                 handle.observed_cached(reported, now)
             self.metrics.prompt_tokens.inc(handle.request.prompt_tokens)
-        return resp
 
     @staticmethod
     async def _abort(request: web.Request, resp: web.StreamResponse, sse: bool, message: str) -> None:
@@ -523,7 +559,7 @@ class ProxyServer:
         return web.json_response({"status": "ok" if ready else "no healthy workers"}, status=200 if ready else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8")
+        return web.Response(body=self.metrics.exposition(), content_type="text/plain", charset="utf-8")
 
     async def debug_decisions(self, request: web.Request) -> web.Response:
         try:
@@ -551,27 +587,41 @@ class ProxyServer:
                         "problem": found.problem if found else None, "cause": found.cause if found else None}
             if digest:
                 out[wid]["index_digest"] = residency_digest(self.core.index, wid)
-        return web.json_response({"workers": out})
+        shared = self.core.state.shared_load
+        if shared is None:
+            return web.json_response({"workers": out})
+        return web.json_response({"workers": out, "shared_load": shared.describe(now)})
 
     async def drain(self, request: web.Request) -> web.Response:
         wid = request.query.get("worker")
         if not wid:
             return error(400, "?worker=ID is required")
-        if not self.fleet.drain(wid, draining=request.path.endswith("/drain")):
+        draining = request.path.endswith("/drain")
+        if not self.fleet.drain(wid, draining=draining):
             return error(404, f"unknown worker {wid!r}", "NotFoundError")
+        if self.core.state.shared_load is not None:  # the other processes and replicas drain it too
+            self.core.state.shared_load.local_drained(wid, draining)
         return web.json_response({"worker": wid, "draining": self.core.endpoints[wid].draining})
 
 
-async def run_proxy(config: RouterConfig) -> None:
-    """Serve until cancelled: the proxy on ``listen``, admin and debug on ``admin`` (localhost by default)."""
+async def run_proxy(config: RouterConfig, slot: ProcessSlot | None = None) -> None:
+    """Serve until cancelled: the proxy on ``listen``, admin and debug on ``admin`` (localhost by default).
+    ``slot``: one of ``--processes N`` (router/frontends/processes.py): the port is shared (SO_REUSEPORT), the
+    load too, and admin is served by process 0 only."""
     server = ProxyServer(config)
     await server.start()
+    shared = start_shared_load(server.fleet, config, slot)
+    if shared is not None:
+        await shared.start()
     runners = []
+    sites = [(server.app(), config.listen)]
+    if slot is None or slot.serves_admin:
+        sites.append((server.admin_app(), config.admin))
     try:
-        for app, bind in ((server.app(), config.listen), (server.admin_app(), config.admin)):
+        for app, bind in sites:
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
-            await web.TCPSite(runner, bind.host, bind.port).start()
+            await web.TCPSite(runner, bind.host, bind.port, reuse_port=slot is not None).start()
             runners.append(runner)
         log.info("kvrouter serve: proxy on %s:%d, admin on %s:%d, policy %s", config.listen.host,
                  config.listen.port, config.admin.host, config.admin.port, config.routing.policy)
@@ -579,4 +629,6 @@ async def run_proxy(config: RouterConfig) -> None:
     finally:
         for runner in runners:
             await runner.cleanup()
+        if shared is not None:
+            await shared.stop()
         await server.stop()

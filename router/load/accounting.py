@@ -80,10 +80,12 @@ class LoadTracker:
 
     def dispatch(self, request_id: str, worker_id: str, prompt_tokens: int, uncached_tokens: int,
                  max_tokens: int, now: float, predicted_ttft_s: float | None = None, keys: Sequence[int] = (),
-                 block_size: int = 16) -> None:
+                 block_size: int = 16, tail: int | None = None) -> None:
+        """``tail``: the request's tail blocks as another replica counted them (default: computed here)."""
         if request_id in self.inflight:
             self.complete(request_id, now)  # a retry on another worker replaces the first attempt
-        tail = tail_blocks(prompt_tokens, len(keys), max_tokens, block_size)
+        if tail is None:
+            tail = tail_blocks(prompt_tokens, len(keys), max_tokens, block_size)
         self.inflight[request_id] = InFlight(worker_id, prompt_tokens, uncached_tokens, max_tokens, now,
                                              predicted_ttft_s, None, keys, tail)
         w = self.load(worker_id)

@@ -50,13 +50,16 @@ class Dispatch:
         accounting moves."""
         if self.ended or worker_id == self.worker_id:
             return
-        self._forget(now)
+        self._forget(now, published=False)
         self.worker_id = worker_id
-        self._record(worker_id, now)
+        self._record(worker_id, now, reassigned=True)
 
     def first_token(self, now: float, learn: bool = True) -> None:
         """``learn``: fit this TTFT into the worker's engine profile (only when the first token was seen as such)."""
         r = self.state.load.first_token(self.request.request_id, now)
+        shared = self.state.shared_load
+        if r is not None and shared is not None:
+            shared.local_first_token(self.request.request_id)
         if r is None or not learn:
             return
         observed = now - r.dispatched_at
@@ -84,6 +87,8 @@ class Dispatch:
             self.fail(now)
             return
         r = self.state.load.complete(self.request.request_id, now)
+        if self.state.shared_load is not None:
+            self.state.shared_load.local_ended(self.request.request_id)
         report = self.report
         if (r is not None and r.first_token_at is not None and output_tokens and output_tokens > 1
                 and report is not None):
@@ -99,7 +104,7 @@ class Dispatch:
         self._end()
 
     # ---- internals -----------------------------------------------------------------------------------
-    def _record(self, worker_id: str, now: float) -> None:
+    def _record(self, worker_id: str, now: float, reassigned: bool = False) -> None:
         req, state = self.request, self.state
         self.attempts += 1
         if self.attempts == 1:
@@ -112,6 +117,10 @@ class Dispatch:
             uncached, predicted = req.prompt_tokens, None
         state.load.dispatch(req.request_id, worker_id, req.prompt_tokens, uncached, req.max_tokens, now, predicted,
                             req.keys, req.block_size)
+        if state.shared_load is not None:  # the other replicas (or processes) count it too
+            r = state.load.inflight[req.request_id]
+            (state.shared_load.local_reassigned if reassigned else state.shared_load.local_dispatched)(
+                req.request_id, r)
         recorded = (state.note_dispatch(worker_id, now), state.speculative.record(worker_id, req.keys, now))
         self._undo = [u for u in recorded if u is not None]
         for p in self.plugins:
@@ -119,8 +128,11 @@ class Dispatch:
             if u is not None:
                 self._undo.append(u)
 
-    def _forget(self, now: float) -> None:
+    def _forget(self, now: float, published: bool = True) -> None:
+        """``published``: tell the other replicas it ended (not when it moves: ``reassign`` tells them that)."""
         self.state.load.complete(self.request.request_id, now)
+        if published and self.state.shared_load is not None:
+            self.state.shared_load.local_ended(self.request.request_id)
         for undo in reversed(self._undo):
             undo()
         self._undo = []

@@ -15,6 +15,7 @@ from router.events.feed import IndexFeeder, WorkerFeed
 from router.index import KvIndex, Medium
 from router.index.speculative import SpeculativePrefixes
 from router.load import EngineMetrics, LoadTracker
+from router.load.exchange import LoadExchange
 from router.scheduling.cost import CostModel, CostParams
 from router.scheduling.reuse import ReuseTracker
 from router.scheduling.types import Endpoint
@@ -33,6 +34,9 @@ class FleetState:
         self.feeder = feeder or IndexFeeder(KvIndex(), block_size=block_size)
         self.index = self.feeder.index
         self.load = LoadTracker()
+        # set when replicas (or processes) share their in-flight load: the lifecycle publishes into it, and it
+        # folds theirs into ``load`` (router/load/exchange.py)
+        self.shared_load: LoadExchange | None = None
         self.speculative = SpeculativePrefixes(speculative_ttl_s)
         self.cost = CostModel(cost or CostParams())
         self.reuse = ReuseTracker(prior=self.cost.params.reuse_prior)  # P(an evicted block is asked for again)

@@ -1,0 +1,66 @@
+"""``kvrouter epp --processes 2`` behind a real Envoy: both processes on one port, and each one's view of the
+pod's in-flight load (its ``kvrouter_worker_inflight_requests`` gauges, from whichever process answers the metrics
+port) counts the requests the other picked."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from bench.epp_bench import _spread_picker_connections
+from bench.load import free_port, server_process
+from router.frontends.envoy_config import bootstrap
+from tests.envoy_helpers import envoy
+from tests.test_processes import REQUESTS, HeldWorker, listeners, until
+
+pytestmark = pytest.mark.sockets
+INFLIGHT = re.compile(r'^kvrouter_worker_inflight_requests\{worker="(w\d)"\} (\S+)$', re.M)
+
+
+async def test_epp_processes_2_share_the_pods_load_behind_envoy(tmp_path: Path):
+    workers = [HeldWorker(), HeldWorker()]
+    for w in workers:
+        await w.start()
+    picker_port, metrics_port, listen = free_port(), free_port(), free_port()
+    args = ["-m", "router.cli", "epp", "--processes", "2", "--port", str(picker_port), "--health-port",
+            str(free_port()), "--metrics-port", str(metrics_port), "--policy", "least_loaded",
+            *[a for i, w in enumerate(workers) for a in ("--worker", f"{w.url},id=w{i}")]]
+    cfg = bootstrap(listen_port=listen, admin_port=free_port(), picker_port=picker_port,
+                    workers=[w.url.removeprefix("http://") for w in workers])
+    _spread_picker_connections(cfg)
+    body = {"model": "sim-model", "prompt": "a prompt for two pickers", "max_tokens": 8, "stream": True}
+
+    async def inflight() -> dict[str, float]:  # a fresh connection: either process may answer
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+            return {w: float(n) for w, n in INFLIGHT.findall(await r.text())}
+
+    with server_process(args, picker_port), envoy(cfg, tmp_path):
+        async def both_listening() -> bool:  # else every connection Envoy opens now lands on the first one
+            return listeners(picker_port) == 2
+
+        await until(both_listening)
+        async with aiohttp.ClientSession() as s:
+            answers = [await s.post(f"http://127.0.0.1:{listen}/v1/completions", json=body)
+                       for _ in range(REQUESTS)]  # one session, Envoy's connections to the picker: several
+            try:
+                assert all(r.status == 200 for r in answers)
+                for r in answers:
+                    await r.content.readline()
+
+                async def counted() -> bool:
+                    return sum((await inflight()).values()) == REQUESTS
+
+                await until(counted, 5.0)
+                views = [await inflight() for _ in range(10)]
+                assert all(sum(v.values()) == REQUESTS for v in views), views
+                assert sorted(w.started for w in workers) == sorted(views[-1].values())  # what the workers hold
+            finally:
+                for w in workers:
+                    w.release.set()
+                for r in answers:
+                    await r.read()
+    for w in workers:
+        await w.runner.cleanup()  # type: ignore[union-attr]
