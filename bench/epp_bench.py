@@ -50,9 +50,8 @@ def run(quick: bool = False) -> dict[str, Any]:
             listen = free_port()
             picker_port, proc = pickers[processes]
             cfg = bootstrap(listen_port=listen, admin_port=free_port(), picker_port=picker_port, workers=addrs,
-                            with_picker=with_picker, response_mode=mode)
-            if processes > 1:
-                _spread_picker_connections(cfg)
+                            with_picker=with_picker, response_mode=mode,
+                            picker_streams_per_connection=SHARED_PORT_MAX_STREAMS if processes > 1 else None)
             stack.enter_context(envoy_process(cfg, Path(tmp)))
             urls[name] = f"http://127.0.0.1:{listen}"
             if with_picker:
@@ -93,16 +92,6 @@ def run(quick: bool = False) -> dict[str, Any]:
                                                           / statistics.median(rps["envoy"]), 3)},
         "requests": {"c1_per_target": n_c1 * rounds, "c32_per_round": n_c32},
     }
-
-
-def _spread_picker_connections(cfg: dict[str, Any]) -> None:
-    """Envoy multiplexes every ext_proc stream onto one HTTP/2 connection per worker thread: capped at the
-    picker's own per-connection limit, it opens more, which SO_REUSEPORT spreads over the picker's processes."""
-    for cluster in cfg["static_resources"]["clusters"]:
-        if cluster["name"] == "kvrouter_epp":
-            (options,) = cluster["typed_extension_protocol_options"].values()
-            h2 = options["explicit_http_config"]["http2_protocol_options"]
-            h2["max_concurrent_streams"] = SHARED_PORT_MAX_STREAMS
 
 
 def main(args: argparse.Namespace) -> int:

@@ -174,7 +174,8 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
     print(bootstrap_yaml(listen_port=args.listen_port, admin_port=args.admin_port, picker_port=args.picker_port,
                          workers=args.endpoint, body_mode=args.body_mode, fail_open=args.fail_open,
-                         response_mode=args.response_mode), end="")
+                         response_mode=args.response_mode,
+                         picker_streams_per_connection=args.picker_streams_per_connection), end="")
     return 0
 
 
@@ -334,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     ec.add_argument("--fail-open", action="store_true", help="failure_mode_allow: pass requests if the picker is down")
     ec.add_argument("--response-mode", choices=["full", "headers"], default="full",
                     help="headers: response bodies bypass the picker (lighter; no first-token timing or usage)")
+    ec.add_argument("--picker-streams-per-connection", type=int, metavar="N",
+                    help="cap ext_proc streams per HTTP/2 connection so Envoy opens several, which SO_REUSEPORT "
+                    "spreads over a picker run with --processes (4 is a good start; default: no cap)")
     ec.set_defaults(handler=_envoy_config)
 
     sp = sub.add_parser("sim", help="trace-replay simulator: compare policies on engine models")

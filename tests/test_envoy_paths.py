@@ -213,3 +213,18 @@ async def test_the_baseline_without_a_picker_routes_only_the_api_paths(two_worke
             async with s.get(url + "/v1/models") as r:
                 assert r.status == 200
         assert all(w.worker.engine.stats.finished == 1 for w in ws)
+
+
+def test_picker_streams_per_connection_caps_the_picker_cluster_only():
+    cfg = bootstrap(listen_port=1, admin_port=2, picker_port=3, workers=["10.0.0.1:8000"],
+                    picker_streams_per_connection=4)
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+    (options,) = clusters["kvrouter_epp"]["typed_extension_protocol_options"].values()
+    assert options["explicit_http_config"]["http2_protocol_options"] == {"max_concurrent_streams": 4}
+    plain = bootstrap(listen_port=1, admin_port=2, picker_port=3, workers=["10.0.0.1:8000"])
+    (options,) = {c["name"]: c for c in plain["static_resources"]["clusters"]}["kvrouter_epp"][
+        "typed_extension_protocol_options"].values()
+    assert options["explicit_http_config"]["http2_protocol_options"] == {}
+    with pytest.raises(ValueError):
+        bootstrap(listen_port=1, admin_port=2, picker_port=3, workers=["10.0.0.1:8000"],
+                  picker_streams_per_connection=0)

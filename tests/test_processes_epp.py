@@ -10,9 +10,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from bench.epp_bench import _spread_picker_connections
 from bench.load import free_port, server_process
 from router.frontends.envoy_config import bootstrap
+from router.frontends.epp import SHARED_PORT_MAX_STREAMS
 from tests.envoy_helpers import envoy
 from tests.test_processes import REQUESTS, HeldWorker, listeners, until
 
@@ -29,8 +29,8 @@ async def test_epp_processes_2_share_the_pods_load_behind_envoy(tmp_path: Path):
             str(free_port()), "--metrics-port", str(metrics_port), "--policy", "least_loaded",
             *[a for i, w in enumerate(workers) for a in ("--worker", f"{w.url},id=w{i}")]]
     cfg = bootstrap(listen_port=listen, admin_port=free_port(), picker_port=picker_port,
-                    workers=[w.url.removeprefix("http://") for w in workers])
-    _spread_picker_connections(cfg)
+                    workers=[w.url.removeprefix("http://") for w in workers],
+                    picker_streams_per_connection=SHARED_PORT_MAX_STREAMS)
     body = {"model": "sim-model", "prompt": "a prompt for two pickers", "max_tokens": 8, "stream": True}
 
     async def inflight() -> dict[str, float]:  # a fresh connection: either process may answer

@@ -30,13 +30,16 @@ NOT_FOUND_BODY = json.dumps({"object": "error", "message": "Not Found: this gate
 def bootstrap(*, listen_port: int, admin_port: int, picker_port: int, workers: list[str],
               body_mode: str = "FULL_DUPLEX_STREAMED", fail_open: bool = False, picker_host: str = "127.0.0.1",
               buffer_limit_bytes: int = 8 * 1024 * 1024, retries: int = 2, with_picker: bool = True,
-              response_mode: str = "full") -> dict[str, Any]:
+              response_mode: str = "full", picker_streams_per_connection: int | None = None) -> dict[str, Any]:
     """``workers``: "ip:port" of every endpoint the picker may choose (the InferencePool's members).
 
     ``with_picker=False``: the same Envoy without ext_proc (round robin), the baseline of ``bench epp``.
     ``response_mode``: ``full``, every response chunk through the picker (it times the first token and reads the
     usage: the engines' cached-token counts); ``headers``, the response's headers only (the lighter stream: no
     Python per chunk; the picker learns the start from the headers and the end from the stream's close).
+    ``picker_streams_per_connection``: for a picker run as ``kvrouter epp --processes N``. Envoy multiplexes every
+    ext_proc stream onto one HTTP/2 connection per worker thread, which lands on one process; capped, it opens
+    more connections, which SO_REUSEPORT spreads over the processes.
     """
     if response_mode not in ("full", "headers"):
         raise ValueError(f"response_mode must be full or headers, not {response_mode!r}")
@@ -112,6 +115,12 @@ def bootstrap(*, listen_port: int, admin_port: int, picker_port: int, workers: l
         },
     }
 
+    h2_options: dict[str, Any] = {}
+    if picker_streams_per_connection is not None:
+        if picker_streams_per_connection < 1:
+            raise ValueError("picker_streams_per_connection must be at least 1")
+        h2_options["max_concurrent_streams"] = picker_streams_per_connection
+
     def endpoints(addrs: list[str]) -> list[dict[str, Any]]:
         out = []
         for a in addrs:
@@ -143,7 +152,7 @@ def bootstrap(*, listen_port: int, admin_port: int, picker_port: int, workers: l
         "connect_timeout": "1s",
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-            "explicit_http_config": {"http2_protocol_options": {}}}},
+            "explicit_http_config": {"http2_protocol_options": h2_options}}},
         "load_assignment": {"cluster_name": "kvrouter_epp", "endpoints": [{"lb_endpoints": endpoints(
             [f"{picker_host}:{picker_port}"])}]},
     }
