@@ -82,6 +82,8 @@ _REBUILT_LOAD = 0.5
 _MIN_SLOTS = 64
 _NO_LIST = -1  # an entry row's list when the row is a hole
 _U64 = np.uint64
+_BULK = 32  # a store of this many blocks or more goes through numpy (below, scalar code is faster)
+_WINDOW = np.arange(8)  # slots a vectorised probe reads per key and round
 
 
 def _home(x: int, size: int) -> int:
@@ -98,6 +100,11 @@ def _ehash_probe(lst: int, v: int) -> int:
     return v ^ (lst * _LIST_MULT)
 
 
+def _wrap64(x: int) -> int:
+    """``x`` modulo 2^64, as a signed int64."""
+    return ((x + _I64_END) & _M64) - _I64_END
+
+
 def _int64(value: int) -> int | None:
     """An int in int64 or uint64 range as int64 (a uint64 above 2^63 wraps); None when neither."""
     if _I64_MIN <= value < _I64_END:
@@ -107,14 +114,15 @@ def _int64(value: int) -> int | None:
     return None
 
 
-def _array64(values: Sequence[int]) -> np.ndarray:
-    """Python ints (int64 or uint64 range) as an int64 array, uint64 wrapped."""
-    for dtype in (np.uint64, np.int64):  # block keys are uint64; engine hashes may be signed
-        try:
-            return np.asarray(values, dtype=dtype).view(np.int64)
-        except OverflowError:
-            pass
-    return np.array([_int64(operator.index(v)) for v in values], dtype=np.int64)
+def _array64(values: Sequence[int]) -> tuple[np.ndarray, bool]:
+    """Python ints (int64 or uint64 range) as an int64 array (uint64 wrapped), and whether any was a uint64
+    above 2^63. Raises OverflowError (an int beyond both) or TypeError (not ints)."""
+    try:  # block keys are uint64
+        arr = np.asarray(values, dtype=np.uint64).view(np.int64)
+        return arr, bool(len(arr)) and bool((arr < 0).any())
+    except OverflowError:
+        pass
+    return np.asarray(values, dtype=np.int64), False  # engine hashes may be signed (SGLang)
 
 
 class _Table:
@@ -135,23 +143,29 @@ class _Table:
     def rebuild(self, live: int, extra: int, probes: np.ndarray, values: np.ndarray) -> None:
         """Reinsert ``values`` (their probe keys ``probes``) into a table sized for ``live + extra``."""
         size = max(_MIN_SLOTS, int((live + extra) / _REBUILT_LOAD) + 1)
-        slots = np.full(size, _EMPTY, np.int32)
-        pos = _homes(probes, size)
+        self.slots = np.full(size, _EMPTY, np.int32)
+        self.mv, self.used, self.limit = memoryview(self.slots), 0, int(size * _MAX_LOAD)
+        self.insert(_homes(probes, size), values)
+
+    def insert(self, pos: np.ndarray, values: np.ndarray) -> None:
+        """Put ``values`` (absent, each in its own first empty slot from ``pos`` on) in: the first claimant
+        of an empty slot takes it, the others move on."""
+        slots, size = self.slots, len(self.slots)
+        pos = pos.copy()
         todo = np.arange(len(values))
-        while todo.size:  # place the first claimant of each slot, move the rest on
+        while todo.size:
             p = pos[todo]
             free = slots[p] == _EMPTY
-            p_free, t_free = p[free], todo[free]
+            p_free = p[free]
             _, first = np.unique(p_free, return_index=True)
-            slots[p_free[first]] = values[t_free[first]]
+            slots[p_free[first]] = values[todo[free][first]]
             placed = np.zeros(todo.size, bool)
             placed[np.flatnonzero(free)[first]] = True
             todo = todo[~placed]
             nxt = pos[todo] + 1
             nxt[nxt == size] = 0
             pos[todo] = nxt
-        self.slots, self.mv, self.used = slots, memoryview(slots), len(values)
-        self.limit = int(size * _MAX_LOAD)
+        self.used += len(values)
 
 
 class KvIndex:
@@ -392,6 +406,10 @@ class KvIndex:
         if len(engine_hashes) != len(keys):
             raise ValueError("engine_hashes and keys differ in length")
         slot = self._worker(worker_id)
+        if len(keys) >= _BULK and self._store_many(slot, engine_hashes, keys, int(medium)):
+            if self._entries > self.capacity:
+                self._evict()
+            return
         mapped = [self._hash_value(h, slot) for h in engine_hashes]
         ks = [self._key_value(k) for k in keys]
         n = len(ks)
@@ -432,6 +450,51 @@ class KvIndex:
                     orig[1] += 1
         if self._entries > self.capacity:
             self._evict()
+
+    def _store_many(self, slot: int, engine_hashes: Sequence[EngineHash], keys: Sequence[int], m: int) -> bool:
+        """``store`` in numpy, for a batch of int hashes none of which the list holds yet (a worker's bulk
+        load, a snapshot, a long prompt); False, with nothing changed, when the batch is not such a batch."""
+        if not (isinstance(engine_hashes, range) or all(type(h) is int for h in engine_hashes)):
+            return False
+        if not (isinstance(keys, range) or all(type(k) is int for k in keys)):
+            return False
+        try:
+            v, wrapped = _array64(engine_hashes)
+            k, keys_wrapped = _array64(keys)
+        except (OverflowError, TypeError, ValueError):
+            return False
+        n = len(v)
+        if len(np.unique(v)) != n:
+            return False
+        lst = 3 * slot + m
+        self._reserve(n)
+        found, epos = self._efind_many(lst, v)
+        if (found != _EMPTY).any():
+            return False
+        if wrapped:
+            self._unsigned.add(slot)
+        if keys_wrapped:
+            self._unsigned_keys = True
+        r0 = self._rows
+        rows = np.arange(r0, r0 + n, dtype=np.int32)
+        self._e_hash[r0 : r0 + n] = v
+        self._e_key[r0 : r0 + n] = k
+        self._e_list[r0 : r0 + n] = lst
+        self._e_count[r0 : r0 + n] = 1
+        self._rows = r0 + n
+        self._ehash.insert(epos, rows)
+        vals, kpos = self._kfind_many(m, k)
+        absent = np.flatnonzero(vals == _EMPTY)
+        _, first = np.unique(k[absent], return_index=True)  # a key twice in the batch: its first row holds it
+        new = absent[first]
+        self._ktab[m].insert(kpos[new], rows[new])
+        rest = np.ones(n, bool)
+        rest[new] = False
+        for i in np.flatnonzero(rest).tolist():  # keys others hold already: shared rows
+            self._hold(m, slot, int(k[i]), r0 + i)
+        self._list_len[lst] += n
+        self._entries += n
+        return True
 
     def _append(self, v: int, k: int, lst: int, count: int) -> int:
         row = self._rows
@@ -651,8 +714,8 @@ class KvIndex:
         words = self._words
         carry = np.full((tiers, words), _M64, _U64)  # every slot alive before block 0
         lengths = np.zeros((tiers, 64 * words), np.int64)
-        karr = _array64(keys)
-        start, chunk = 0, 32
+        karr = _array64(keys)[0]
+        start, chunk = 0, 64
         while start < n:
             stop = min(n, start + chunk)
             masks = self._holder_masks(karr[start:stop], tiers)
@@ -670,7 +733,7 @@ class KvIndex:
             start = stop
             if not carry[tiers - 1].any():
                 break
-            chunk *= 4
+            chunk = n  # (most requests end inside the first chunk)
         else:  # still alive after the last block: the whole request
             for tier in range(tiers):
                 bits = np.unpackbits(carry[tier].view(np.uint8), bitorder="little")
@@ -686,7 +749,7 @@ class KvIndex:
         """(tiers, keys, words) holder bitmasks: GPU; GPU or CPU; any medium (cumulative over the media)."""
         out = np.zeros((tiers, len(karr), self._words), _U64)
         for m in range(tiers):
-            vals = self._kfind_many(m, karr)
+            vals = self._kfind_many(m, karr)[0]
             held = out[m]
             one = np.flatnonzero(vals >= 0)
             if one.size:
@@ -699,28 +762,48 @@ class KvIndex:
                 held |= out[m - 1]
         return out
 
-    def _kfind_many(self, m: int, karr: np.ndarray) -> np.ndarray:
-        """``_kfind``'s value for every key at once (numpy probing, one round per probe step)."""
-        t = self._ktab[m]
-        slots, size = t.slots, len(t.slots)
-        out = np.full(len(karr), _EMPTY, np.int64)
-        if not t.used:
-            return out
-        pos = _homes(karr, size)
-        todo = np.arange(len(karr))
+    def _kfind_many(self, m: int, karr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``_kfind`` for every key at once: (values, slots)."""
         e_key, s_key = self._e_key, self._s_key[m]
-        while todo.size:
-            p = pos[todo]
-            val = slots[p].astype(np.int64)
-            occupied = val != _EMPTY
-            single = val >= 0
-            shared = val <= -3
-            probe_key = np.where(single, e_key[np.where(single, val, 0)], s_key[np.where(shared, -3 - val, 0)])
-            hit = (single | shared) & (probe_key == karr[todo])
-            out[todo[hit]] = val[hit]
-            more = occupied & ~hit
-            todo = todo[more]
-            nxt = p[more] + 1
-            nxt[nxt == size] = 0
-            pos[todo] = nxt
-        return out
+
+        def same(vals: np.ndarray, idx: np.ndarray) -> np.ndarray:
+            probe_key = np.where(vals >= 0, e_key.take(np.maximum(vals, 0)), s_key.take(np.maximum(-3 - vals, 0)))
+            return ((vals >= 0) | (vals <= -3)) & (probe_key == karr[idx])
+
+        return _probe(self._ktab[m], karr, same)
+
+    def _efind_many(self, lst: int, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``_efind`` for every hash of one list at once: (rows or EMPTY, slots)."""
+        e_hash, e_list = self._e_hash, self._e_list
+
+        def same(vals: np.ndarray, idx: np.ndarray) -> np.ndarray:
+            rows = np.maximum(vals, 0)
+            return (vals >= 0) & (e_hash.take(rows) == v[idx]) & (e_list.take(rows) == lst)
+
+        return _probe(self._ehash, v ^ np.int64(_wrap64(lst * _LIST_MULT)), same)
+
+
+def _probe(t: _Table, probes: np.ndarray, same) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[no-untyped-def]
+    """Vectorised linear probing: per probe key, the value of the slot ``same`` accepts (EMPTY: none) and that
+    slot (else the first empty one). Home slots first (most probes end there), then a window of slots per
+    probe and round for the rest."""
+    slots, size = t.slots, len(t.slots)
+    pos = _homes(probes, size)
+    val = slots.take(pos)
+    if not t.used:
+        return val, pos
+    todo = np.flatnonzero((val != _EMPTY) & ~same(val, np.arange(len(probes))))
+    while todo.size:  # the first accepted or empty slot in a window ends a probe
+        win = pos[todo, None] + _WINDOW
+        win[win >= size] -= size
+        w = slots.take(win)
+        hit = same(w, todo[:, None])
+        stop = hit | (w == _EMPTY)
+        ended = stop.any(axis=1)
+        first = stop.argmax(axis=1)
+        done, r, f = todo[ended], np.flatnonzero(ended), first[ended]
+        val[done] = np.where(hit[r, f], w[r, f], _EMPTY)
+        pos[done] = win[r, f]
+        todo = todo[~ended]
+        pos[todo] = (pos[todo] + len(_WINDOW)) % size
+    return val, pos
