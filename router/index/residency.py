@@ -74,12 +74,13 @@ class BlockEntry:
 
 _M64 = (1 << 64) - 1
 _I64_MIN, _I64_END, _U64_END = -(1 << 63), 1 << 63, 1 << 64
-_MULT = 0x9E3779B97F4A7C15  # Fibonacci hashing: the slot is the high bits of x * MULT
+_M32, _MULT32 = (1 << 32) - 1, 0x9E3779B1  # Fibonacci hashing: the slot is the high bits of x * MULT
 _LIST_MULT = 0x632BE59BD9B4E019  # spreads the list id over the engine hash
 _EMPTY, _TOMB = -1, -2  # table slot codes; a shared holder row r is stored as -3 - r
 _MAX_LOAD = 0.7  # live + tombstones, as a fraction of the slots, before a table is rebuilt
 _REBUILT_LOAD = 0.5
 _MIN_SLOTS = 64
+_PAD = 64  # slots past the home range (see _Table)
 _NO_LIST = -1  # an entry row's list when the row is a hole
 _U64 = np.uint64
 _BULK = 32  # a store of this many blocks or more goes through numpy (below, scalar code is faster)
@@ -87,17 +88,19 @@ _WINDOW = np.arange(8)  # slots a vectorised probe reads per key and round
 
 
 def _home(x: int, size: int) -> int:
-    """The home slot of int64 ``x`` in a table of ``size`` slots (``_homes`` for one, in Python ints)."""
-    return ((((x & _M64) * _MULT) & _M64) >> 32) * size >> 32
+    """The home slot of int64 ``x`` in a table of ``size`` home slots: the two halves folded, then Fibonacci
+    hashing in 32 bits (small ints all the way; ``_homes`` is the same for arrays)."""
+    return ((((x ^ (x >> 32)) & _M32) * _MULT32) & _M32) * size >> 32
 
 
 def _homes(x: np.ndarray, size: int) -> np.ndarray:
-    h = x.view(_U64) * _U64(_MULT)
-    return ((h >> _U64(32)) * _U64(size) >> _U64(32)).astype(np.int64)
+    u = x.view(_U64)
+    folded = (u ^ (u >> _U64(32))) & _U64(_M32)
+    return (((folded * _U64(_MULT32)) & _U64(_M32)) * _U64(size) >> _U64(32)).astype(np.int64)
 
 
 def _ehash_probe(lst: int, v: int) -> int:
-    return v ^ (lst * _LIST_MULT)
+    return v ^ _wrap64(lst * _LIST_MULT)
 
 
 def _wrap64(x: int) -> int:
@@ -127,25 +130,37 @@ def _array64(values: Sequence[int]) -> tuple[np.ndarray, bool]:
 
 class _Table:
     """Open addressing with linear probing over int32 slots holding row numbers (the owner knows each row's
-    probe key). Deleted slots become tombstones until the next rebuild."""
+    probe key). Deleted slots become tombstones until the next rebuild. Keys hash into the first ``homes``
+    slots; a few more follow them, so that a rebuild can place every run of keys without wrapping."""
 
-    __slots__ = ("limit", "mv", "slots", "used")
+    __slots__ = ("homes", "limit", "mv", "slots", "used")
 
-    def __init__(self, size: int = _MIN_SLOTS) -> None:
-        self.slots = np.full(size, _EMPTY, np.int32)
+    def __init__(self, homes: int = _MIN_SLOTS) -> None:
+        self.homes = homes
+        self.slots = np.full(homes + _PAD, _EMPTY, np.int32)
         self.mv = memoryview(self.slots)
         self.used = 0  # live + tombstones
-        self.limit = int(size * _MAX_LOAD)
+        self.limit = int(homes * _MAX_LOAD)
 
     def needs_room(self, extra: int) -> bool:
         return self.used + extra > self.limit
 
     def rebuild(self, live: int, extra: int, probes: np.ndarray, values: np.ndarray) -> None:
         """Reinsert ``values`` (their probe keys ``probes``) into a table sized for ``live + extra``."""
-        size = max(_MIN_SLOTS, int((live + extra) / _REBUILT_LOAD) + 1)
-        self.slots = np.full(size, _EMPTY, np.int32)
-        self.mv, self.used, self.limit = memoryview(self.slots), 0, int(size * _MAX_LOAD)
-        self.insert(_homes(probes, size), values)
+        homes = max(_MIN_SLOTS, int((live + extra) / _REBUILT_LOAD) + 1)
+        self.homes, self.slots = homes, np.full(homes + _PAD, _EMPTY, np.int32)
+        self.mv, self.used, self.limit = memoryview(self.slots), 0, int(homes * _MAX_LOAD)
+        home = _homes(probes, homes)
+        order = np.argsort(home, kind="stable")
+        home = home[order]
+        # inserted in home order, each key takes the slot after the previous one's or its home, the later
+        step = np.arange(len(home))
+        pos = np.maximum.accumulate(home - step) + step if len(home) else home
+        if len(pos) and pos[-1] >= len(self.slots):  # a run past the padding (never seen): probe in rounds
+            self.insert(home, values[order])
+            return
+        self.slots[pos] = values[order]
+        self.used = len(values)
 
     def insert(self, pos: np.ndarray, values: np.ndarray) -> None:
         """Put ``values`` (absent, each in its own first empty slot from ``pos`` on) in: the first claimant
@@ -271,7 +286,7 @@ class KvIndex:
         """(slot, row) of (list, engine hash); row -1 when absent, slot then the first empty one."""
         mv = self._ehash.mv
         size = len(mv)
-        pos = _home(_ehash_probe(lst, v), size)
+        pos = _home(_ehash_probe(lst, v), self._ehash.homes)
         mh, ml = self._mh, self._ml
         while True:
             row = mv[pos]
@@ -287,7 +302,7 @@ class KvIndex:
         """(slot, value) of key ``k`` on medium ``m``: a row (one holder), -3 - shared row, or EMPTY."""
         mv = self._ktab[m].mv
         size = len(mv)
-        pos = _home(k, size)
+        pos = _home(k, self._ktab[m].homes)
         mk, sk = self._mk, self._s_key[m]
         while True:
             val = mv[pos]
@@ -410,46 +425,83 @@ class KvIndex:
             if self._entries > self.capacity:
                 self._evict()
             return
-        mapped = [self._hash_value(h, slot) for h in engine_hashes]
-        ks = [self._key_value(k) for k in keys]
+        lo, hi = _I64_MIN, _I64_END
+        mapped = [(h, False) if type(h) is int and lo <= h < hi else self._hash_value(h, slot) for h in engine_hashes]
+        top = _U64_END
+        ks = [(k if k < hi else k - top) if type(k) is int and 0 <= k < top else self._key_value(k) for k in keys]
+        if not self._unsigned_keys and any(k < 0 for k in ks):  # (a negative key passed as such sets nothing)
+            self._unsigned_keys = any(type(k) is int and k >= hi for k in keys)
         n = len(ks)
         self._reserve(n)
         m = int(medium)
         lst = 3 * slot + m
-        mc, ml, et = self._mc, self._ml, self._ehash.mv
-        count_max = np.iinfo(self._e_count.dtype).max
+        # the loop below is _efind, _append and _hold inlined (one function call per block costs more than
+        # the rest of the block's work)
+        mh, mk, ml, mc = self._mh, self._mk, self._ml, self._mc
+        et, kt = self._ehash.mv, self._ktab[m].mv
+        esize, ksize = len(et), len(kt)
+        ehome, khome = self._ehash.homes, self._ktab[m].homes
+        spread = _wrap64(lst * _LIST_MULT)
+        added = 0
         for i in range(n):
             v, other = mapped[i]
-            pos, row = self._efind(lst, v)
+            x = v ^ spread
+            pos = ((((x ^ (x >> 32)) & _M32) * _MULT32) & _M32) * ehome >> 32
+            while True:
+                row = et[pos]
+                if row == _EMPTY or (row >= 0 and mh[row] == v and ml[row] == lst):
+                    break
+                pos += 1
+                if pos == esize:
+                    pos = 0
             if row >= 0:  # stored again: one more copy, moved to the end (most recently stored)
-                count = mc[row] + 1
-                if count > count_max:
-                    self._widen("_e_count")
-                    mc, ml = self._mc, self._ml
-                    count_max = np.iinfo(self._e_count.dtype).max
-                k = self._mk[row]
-                new = self._append(v, k, lst, count)
-                et[pos] = new
-                kpos, val = self._kfind(m, k)
-                if val == row:
-                    self._ktab[m].mv[kpos] = new
-                ml[row] = _NO_LIST
-                self._holes += 1
+                self._store_again(row, pos, m)
+                mh, mk, ml, mc = self._mh, self._mk, self._ml, self._mc  # (a count may have widened)
                 continue
-            new = self._append(v, ks[i], lst, 1)
+            k = ks[i]
+            new = self._rows
+            mh[new], mk[new], ml[new], mc[new] = v, k, lst, 1
+            self._rows = new + 1
             et[pos] = new
-            self._ehash.used += 1
-            self._hold(m, slot, ks[i], new)
-            self._list_len[lst] += 1
-            self._entries += 1
+            added += 1
+            kpos = ((((k ^ (k >> 32)) & _M32) * _MULT32) & _M32) * khome >> 32
+            while True:
+                val = kt[kpos]
+                if val == _EMPTY:
+                    kt[kpos] = new
+                    self._ktab[m].used += 1
+                    break
+                if (val >= 0 and mk[val] == k) or (val <= -3 and self._s_key[m][-3 - val] == k):
+                    self._hold(m, slot, k, new)  # others hold it too: a shared row
+                    break
+                kpos += 1
+                if kpos == ksize:
+                    kpos = 0
             if other:
                 orig = self._originals.get(v)
                 if orig is None:
                     self._originals[v] = [engine_hashes[i], 1]
                 else:
                     orig[1] += 1
+        self._ehash.used += added
+        self._list_len[lst] += added
+        self._entries += added
         if self._entries > self.capacity:
             self._evict()
+
+    def _store_again(self, row: int, pos: int, m: int) -> None:
+        """A hash the list holds stored again (hash-table slot ``pos``): one more copy, moved to the end."""
+        count = self._mc[row] + 1
+        if count > np.iinfo(self._e_count.dtype).max:
+            self._widen("_e_count")
+        k, lst = self._mk[row], self._ml[row]
+        new = self._append(self._mh[row], k, lst, count)
+        self._ehash.mv[pos] = new
+        kpos, val = self._kfind(m, k)
+        if val == row:
+            self._ktab[m].mv[kpos] = new
+        self._ml[row] = _NO_LIST
+        self._holes += 1
 
     def _store_many(self, slot: int, engine_hashes: Sequence[EngineHash], keys: Sequence[int], m: int) -> bool:
         """``store`` in numpy, for a batch of int hashes none of which the list holds yet (a worker's bulk
@@ -788,7 +840,7 @@ def _probe(t: _Table, probes: np.ndarray, same) -> tuple[np.ndarray, np.ndarray]
     slot (else the first empty one). Home slots first (most probes end there), then a window of slots per
     probe and round for the rest."""
     slots, size = t.slots, len(t.slots)
-    pos = _homes(probes, size)
+    pos = _homes(probes, t.homes)
     val = slots.take(pos)
     if not t.used:
         return val, pos
