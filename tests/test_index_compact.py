@@ -125,3 +125,16 @@ def test_memory_per_block_is_flat_arrays():
         keys = rng.integers(0, 1 << 63, 2000).tolist()
         index.store(f"w{j}", range(2000 * j, 2000 * (j + 1)), keys, Medium.GPU)
     assert index.nbytes / len(index) <= 40
+
+
+def test_numpy_arrays_store_as_their_python_ints_would():
+    """A batched caller (the simulator) may hand arrays: uint64 above 2^63 comes back unsigned, int64 signed."""
+    a, b = KvIndex(), KvIndex()
+    hashes = np.array([(1 << 63) + i for i in range(40)], dtype=np.uint64)
+    keys = np.arange(40, dtype=np.uint64) + np.uint64(1 << 63)
+    a.store("w", hashes, keys, Medium.GPU)
+    b.store("w", [int(h) for h in hashes], [int(k) for k in keys], Medium.GPU)
+    assert a.export_worker("w") == b.export_worker("w")
+    a.store("s", np.arange(-40, 0, dtype=np.int64), np.arange(40, dtype=np.int64), Medium.GPU)
+    assert a.engine_hashes("s")[Medium.GPU] == set(range(-40, 0))
+    assert a.match([int(k) for k in keys[:3]]) == {"w": PrefixMatch(gpu=3)}

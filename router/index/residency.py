@@ -120,6 +120,13 @@ def _int64(value: int) -> int | None:
 def _array64(values: Sequence[int]) -> tuple[np.ndarray, bool]:
     """Python ints (int64 or uint64 range) as an int64 array (uint64 wrapped), and whether any was a uint64
     above 2^63. Raises OverflowError (an int beyond both) or TypeError (not ints)."""
+    if isinstance(values, np.ndarray):  # (numpy casts arrays without range checks: by dtype, then)
+        if values.dtype == np.uint64:
+            arr = values.view(np.int64)
+            return arr, bool((arr < 0).any())
+        if values.dtype.kind not in "iu":
+            raise TypeError(f"{values.dtype} is not an integer dtype")
+        return values.astype(np.int64), False
     try:  # block keys are uint64
         arr = np.asarray(values, dtype=np.uint64).view(np.int64)
         return arr, bool(len(arr)) and bool((arr < 0).any())
@@ -506,16 +513,17 @@ class KvIndex:
     def _store_many(self, slot: int, engine_hashes: Sequence[EngineHash], keys: Sequence[int], m: int) -> bool:
         """``store`` in numpy, for a batch of int hashes none of which the list holds yet (a worker's bulk
         load, a snapshot, a long prompt); False, with nothing changed, when the batch is not such a batch."""
-        if not (isinstance(engine_hashes, range) or all(type(h) is int for h in engine_hashes)):
-            return False
-        if not (isinstance(keys, range) or all(type(k) is int for k in keys)):
-            return False
+        for seq in (engine_hashes, keys):
+            if not (isinstance(seq, range | np.ndarray) or all(type(x) is int for x in seq)):
+                return False
         try:
             v, wrapped = _array64(engine_hashes)
             k, keys_wrapped = _array64(keys)
         except (OverflowError, TypeError, ValueError):
             return False
         n = len(v)
+        if v.ndim != 1 or k.shape != v.shape:
+            return False
         if len(np.unique(v)) != n:
             return False
         lst = 3 * slot + m
