@@ -409,10 +409,7 @@ class KvIndex:
         slot = self._slot.get(worker_id)
         if slot is None:
             return None
-        try:
-            v, _ = self._hash_value(engine_hash, None)
-        except TypeError:
-            return None
+        v, _ = self._hash_value(engine_hash, None)
         best = -1
         for m in MEDIA:
             if self._list_len[3 * slot + m]:
@@ -610,17 +607,24 @@ class KvIndex:
             return sum(1 for _ in engine_hashes)
         lst = 3 * slot + int(medium)
         unknown = 0
-        for h in engine_hashes:
-            try:
-                v, _ = self._hash_value(h, None)
-            except TypeError:
-                unknown += 1
-                continue
-            pos, row = self._efind(lst, v)
+        lo, hi = _I64_MIN, _I64_END
+        et, mh, ml, mc = self._ehash.mv, self._mh, self._ml, self._mc
+        esize, ehome, spread = len(et), self._ehash.homes, _wrap64(lst * _LIST_MULT)
+        for h in engine_hashes:  # _efind inlined, as in ``store``
+            v = h if type(h) is int and lo <= h < hi else self._hash_value(h, None)[0]
+            x = v ^ spread
+            pos = ((((x ^ (x >> 32)) & _M32) * _MULT32) & _M32) * ehome >> 32
+            while True:
+                row = et[pos]
+                if row == _EMPTY or (row >= 0 and mh[row] == v and ml[row] == lst):
+                    break
+                pos += 1
+                if pos == esize:
+                    pos = 0
             if row < 0:
                 unknown += 1
-            elif self._mc[row] > 1:
-                self._mc[row] -= 1
+            elif mc[row] > 1:
+                mc[row] -= 1
             else:
                 self._drop_row(row, pos)
         return unknown
