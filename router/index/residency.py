@@ -446,14 +446,15 @@ class KvIndex:
         esize, ksize = len(et), len(kt)
         ehome, khome = self._ehash.homes, self._ktab[m].homes
         spread = _wrap64(lst * _LIST_MULT)
+        m32, mult, empty = _M32, _MULT32, _EMPTY  # (locals: the loop runs once per block)
         added = 0
         for i in range(n):
             v, other = mapped[i]
             x = v ^ spread
-            pos = ((((x ^ (x >> 32)) & _M32) * _MULT32) & _M32) * ehome >> 32
+            pos = ((((x ^ (x >> 32)) & m32) * mult) & m32) * ehome >> 32
             while True:
                 row = et[pos]
-                if row == _EMPTY or (row >= 0 and mh[row] == v and ml[row] == lst):
+                if row == empty or (row >= 0 and mh[row] == v and ml[row] == lst):
                     break
                 pos += 1
                 if pos == esize:
@@ -468,10 +469,10 @@ class KvIndex:
             self._rows = new + 1
             et[pos] = new
             added += 1
-            kpos = ((((k ^ (k >> 32)) & _M32) * _MULT32) & _M32) * khome >> 32
+            kpos = ((((k ^ (k >> 32)) & m32) * mult) & m32) * khome >> 32
             while True:
                 val = kt[kpos]
-                if val == _EMPTY:
+                if val == empty:
                     kt[kpos] = new
                     self._ktab[m].used += 1
                     break
@@ -610,13 +611,14 @@ class KvIndex:
         lo, hi = _I64_MIN, _I64_END
         et, mh, ml, mc = self._ehash.mv, self._mh, self._ml, self._mc
         esize, ehome, spread = len(et), self._ehash.homes, _wrap64(lst * _LIST_MULT)
+        m32, mult, empty = _M32, _MULT32, _EMPTY
         for h in engine_hashes:  # _efind inlined, as in ``store``
             v = h if type(h) is int and lo <= h < hi else self._hash_value(h, None)[0]
             x = v ^ spread
-            pos = ((((x ^ (x >> 32)) & _M32) * _MULT32) & _M32) * ehome >> 32
+            pos = ((((x ^ (x >> 32)) & m32) * mult) & m32) * ehome >> 32
             while True:
                 row = et[pos]
-                if row == _EMPTY or (row >= 0 and mh[row] == v and ml[row] == lst):
+                if row == empty or (row >= 0 and mh[row] == v and ml[row] == lst):
                     break
                 pos += 1
                 if pos == esize:
