@@ -209,6 +209,7 @@ class KvIndex:
         self._words = 1  # 64-bit words per holder mask
         self._s_key = [np.zeros(16, np.int64) for _ in MEDIA]
         self._s_mask = [np.zeros((16, 1), _U64) for _ in MEDIA]
+        self._shared_views()
         self._s_rows = [0, 0, 0]
         self._s_free: list[list[int]] = [[], [], []]
         # (slot, medium, key) -> extra entries of that worker and medium holding the same key (rare: only if
@@ -231,6 +232,11 @@ class KvIndex:
         self._e_list = np.full(cap, _NO_LIST, np.int16)
         self._e_count = np.zeros(cap, np.int16)
         self._views()
+
+    def _shared_views(self) -> None:
+        """Memoryviews of the shared rows (keys; masks flat, ``words`` per row) for the scalar paths."""
+        self._s_kv = [memoryview(a) for a in self._s_key]
+        self._s_mv = [memoryview(a).cast("B").cast("Q") for a in self._s_mask]
 
     def _views(self) -> None:
         self._mh, self._mk = memoryview(self._e_hash), memoryview(self._e_key)
@@ -310,7 +316,7 @@ class KvIndex:
         mv = self._ktab[m].mv
         size = len(mv)
         pos = _home(k, self._ktab[m].homes)
-        mk, sk = self._mk, self._s_key[m]
+        mk, sk = self._mk, self._s_kv[m]
         while True:
             val = mv[pos]
             if val == _EMPTY:
@@ -373,6 +379,7 @@ class KvIndex:
                     grown[:, : self._words] = self._s_mask[m]
                     self._s_mask[m] = grown
                 self._words = words
+                self._shared_views()
         return slot
 
     def workers(self) -> list[str]:
@@ -476,7 +483,7 @@ class KvIndex:
                     kt[kpos] = new
                     self._ktab[m].used += 1
                     break
-                if (val >= 0 and mk[val] == k) or (val <= -3 and self._s_key[m][-3 - val] == k):
+                if (val >= 0 and mk[val] == k) or (val <= -3 and self._s_kv[m][-3 - val] == k):
                     self._hold(m, slot, k, new)  # others hold it too: a shared row
                     break
                 kpos += 1
@@ -575,16 +582,16 @@ class KvIndex:
             t.mv[pos] = -3 - r
         else:
             r = -3 - val
-        w, bit = slot >> 6, _U64(1 << (slot & 63))
-        mask = self._s_mask[m]
-        if mask[r, w] & bit:
+        i, bit = r * self._words + (slot >> 6), 1 << (slot & 63)
+        masks = self._s_mv[m]
+        if masks[i] & bit:
             dup = (slot, m, k)
             self._dup_keys[dup] = self._dup_keys.get(dup, 0) + 1
         else:
-            mask[r, w] |= bit
+            masks[i] |= bit
 
     def _set_bit(self, m: int, r: int, slot: int) -> None:
-        self._s_mask[m][r, slot >> 6] |= _U64(1 << (slot & 63))
+        self._s_mv[m][r * self._words + (slot >> 6)] |= 1 << (slot & 63)
 
     def _alloc_shared(self, m: int, k: int) -> int:
         free = self._s_free[m]
@@ -596,6 +603,7 @@ class KvIndex:
                 grow = max(16, r // 2)
                 self._s_key[m] = np.concatenate([self._s_key[m], np.zeros(grow, np.int64)])
                 self._s_mask[m] = np.concatenate([self._s_mask[m], np.zeros((grow, self._words), _U64)])
+                self._shared_views()
             self._s_rows[m] = r + 1
         self._s_key[m][r] = k
         self._s_mask[m][r] = 0
@@ -661,10 +669,10 @@ class KvIndex:
             else:
                 self._dup_keys[dup] = extra - 1
             return
-        r = -3 - val
-        mask = self._s_mask[m]
-        mask[r, slot >> 6] &= ~_U64(1 << (slot & 63))
-        if not mask[r].any():
+        r, words = -3 - val, self._words
+        masks, base = self._s_mv[m], (-3 - val) * words
+        masks[base + (slot >> 6)] &= ~(1 << (slot & 63))
+        if not any(masks[base + j] for j in range(words)):
             t.mv[kpos] = _TOMB
             self._s_free[m].append(r)
 
