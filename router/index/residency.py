@@ -21,7 +21,10 @@ entries loses its oldest ones, the ones its engine is likeliest to have evicted 
 
 Engine hashes: vLLM sends uint64 (default) or digest bytes, SGLang signed int64. Ints are kept as int64 (a
 uint64 above 2^63 wraps, and comes back unsigned for the worker that sent it); anything else (bytes) is mapped
-to int64 by Python's hash, and the original is kept in a side table so that it comes back as it was sent.
+to int64 by Python's hash, and the original is kept in a side table so that it comes back as it was sent
+(a Python object per block again, for digest-sending engines only). Each (worker, medium, hash) entry keeps
+its own key: a hash stored on two media with two different keys keeps both (the dict index this replaced kept
+the last one for the hash, and could leave the other's holder bit behind).
 """
 
 from __future__ import annotations
