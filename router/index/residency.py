@@ -788,11 +788,14 @@ class KvIndex:
             return none, none, none, none
         tiered = any(self._ktab[m].used for m in (Medium.CPU, Medium.STORAGE))
         tiers = 3 if tiered else 1
+        first = _int64(operator.index(keys[0]))
+        if first is None or all(self._kfind(m, first)[1] == _EMPTY for m in range(tiers)):
+            return none, none, none, none  # nobody holds block 0 (a cold prompt): no numpy at all
         words = self._words
         carry = np.full((tiers, words), _M64, _U64)  # every slot alive before block 0
         lengths = np.zeros((tiers, 64 * words), np.int64)
         karr = _array64(keys)[0]
-        start, chunk = 0, 64
+        start, chunk = 0, 256
         while start < n:
             stop = min(n, start + chunk)
             masks = self._holder_masks(karr[start:stop], tiers)
