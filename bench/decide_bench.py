@@ -8,6 +8,9 @@ speculative match, estimates, ranking, explain), on block keys computed beforeha
 apart). Between decisions the request is dispatched to the chosen worker and completed (untimed), so each
 decision also rebuilds that one worker's memory-release schedule, as it would live.
 
+The 1,000-worker cells (``8k@1000``, ``32k@1000``; 256 workers with ``--quick``) are read against the 64-worker
+ones of the same run: a decision's per-candidate work is what grows with the fleet.
+
 Other profiles (``--policies``) are timed on the 64-worker cells beside precise: a profile without a
 prefix-aware scorer never walks the index, so it must cost less. ``--baseline REV`` runs the same bench from
 another commit (a git worktree, in a subprocess) interleaved with this one, round by round, and reports the
@@ -76,6 +79,7 @@ def _time_cell(core: RoutingCore, keys: list[int], n_tokens: int, iters: int, la
 def run(quick: bool = False, policies: tuple[str, ...] = ("precise",)) -> dict:
     rng = random.Random(5)
     workers = (8, 64) if quick else (8, 64, 256)
+    wide = (256,) if quick else (1000,)  # a fleet of a thousand (its own 16K blocks each: 16M in the index)
     iters = 50 if quick else 400
     p50: dict[str, float] = {}
     p99_ms: dict[str, float] = {}
@@ -85,6 +89,9 @@ def run(quick: bool = False, policies: tuple[str, ...] = ("precise",)) -> dict:
         keys = request_keys(tokens, BLOCK)
         for n in workers:
             _time_cell(_core(n, keys, blocks, rng), keys, n_tokens, iters, f"{size_name}@{n}", p50, p99_ms)
+        for n in wide:  # their own draws: the cells above draw exactly what the bench always drew
+            _time_cell(_core(n, keys, blocks, random.Random(11)), keys, n_tokens, iters, f"{size_name}@{n}", p50,
+                       p99_ms)
         other = random.Random(7)  # the precise cells above draw exactly what the bench always drew
         for policy in policies:
             if policy != "precise":

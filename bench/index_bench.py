@@ -5,6 +5,11 @@ their parents, plus BlockRemoved of older blocks) are pre-encoded, then decoded 
 real codec, feed and index on one core. The decode-only rate is measured in the same run as a baseline.
 Match: 64 workers holding 1M blocks in total; worker j holds the first j/64 of the query prompt (so the
 walk covers the whole prompt) plus filler; keys are computed beforehand, only ``KvIndex.match`` is timed.
+Memory: bytes traced (tracemalloc: numpy's arrays included, with their spare capacity) per resident block.
+
+At scale (``--blocks 20000000 --workers 1000``, not part of the default run nor of the tests): the same index
+built to that size (bulk stores, one per worker and prompt share), its memory per block and the match there.
+``python -m bench.index_bench --blocks N --workers W`` (``kvrouter bench index`` has no such options yet).
 """
 
 from __future__ import annotations
@@ -143,6 +148,31 @@ def bench_memory(n_blocks: int) -> float:
     return used / len(index)
 
 
+def bench_scale(total_blocks: int, n_workers: int, iters: int = 50) -> dict:
+    """Build ``total_blocks`` over ``n_workers`` (as ``bench_match`` does), traced: bytes per resident block,
+    build rate, and the match latency at that size."""
+    rng = random.Random(3)
+    prompts_tokens = {"8k": [rng.randrange(32000) for _ in range(8192)]}
+    prompts = {name: request_keys(t, BLOCK) for name, t in prompts_tokens.items()}
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    t0 = time.perf_counter()
+    index = build_index(n_workers, total_blocks, prompts)
+    build_s = time.perf_counter() - t0
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        index.match(prompts["8k"])
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return {"resident_blocks": len(index), "workers": n_workers,
+            "bytes_per_resident_block": round(used / len(index), 1), "traced_bytes": used,
+            "build_s": round(build_s, 1), "match_8k_p50_ms": round(statistics.median(samples), 3),
+            "match_8k_p99_ms": round(_percentile(samples, 0.99), 3)}
+
+
 def run(quick: bool = False, progress: Callable[[str], None] = lambda s: None) -> dict:
     progress("ingest")
     ingest = bench_ingest(rounds=3 if quick else 5, n_batches=200 if quick else 2000)
@@ -164,6 +194,16 @@ def run(quick: bool = False, progress: Callable[[str], None] = lambda s: None) -
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "blocks", None):
+        res = bench_scale(args.blocks, args.workers or 1000)
+        if args.json:
+            print(json.dumps(res, indent=2, sort_keys=True))
+        else:
+            print(f"{res['resident_blocks']:,} blocks over {res['workers']} workers: "
+                  f"{res['bytes_per_resident_block']:.1f} bytes per resident block "
+                  f"({res['traced_bytes'] / 2**30:.2f} GiB traced), built in {res['build_s']} s; "
+                  f"match 8k p50 / p99 {res['match_8k_p50_ms']:.3f} / {res['match_8k_p99_ms']:.3f} ms")
+        return 0
     res = run(quick=args.quick, progress=lambda s: None if args.json else print(f"... {s}", flush=True))
     if args.json:
         print(json.dumps(res, indent=2, sort_keys=True))
@@ -183,3 +223,12 @@ def main(args: argparse.Namespace) -> int:
     for name, val in rows:
         print(f"{name:<{width}}  {val}")
     return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--blocks", type=int, default=None, help="build this many blocks and measure (e.g. 20000000)")
+    parser.add_argument("--workers", type=int, default=None, help="over this many workers (default 1000)")
+    raise SystemExit(main(parser.parse_args()))

@@ -136,73 +136,60 @@ class Estimates:
                         float(self.model_ttft_s[i]), float(self.model_step_s[i]))
 
 
-class Columns:
-    """What the objective reads of each candidate, gathered column by column (``add`` per candidate)."""
+_COLUMNS = ("gpu", "cpu", "storage", "pending", "running", "others_left", "inflight", "cap_blocks", "used", "kv",
+            "new_blocks", "resident", "memory_wait", "ttft_slope", "decode_slope")
 
-    __slots__ = ("block_size", "cap_blocks", "cpu", "decode_slope", "gpu", "inflight", "kv", "max_tokens",
-                 "memory_wait", "new_blocks", "others_left", "pending", "prompt_tokens", "resident", "running",
-                 "storage", "ttft_slope", "used")
+
+class Columns:
+    """What the objective reads of each candidate: ``add`` per candidate gathers one row, the columns are read
+    as arrays (one conversion of every row at once: a thousand candidates cost one ``np.array``, not fifteen
+    lists grown one item at a time)."""
+
+    __slots__ = ("_arrays", "block_size", "max_tokens", "prompt_tokens", "rows")
 
     def __init__(self, prompt_tokens: int, block_size: int, max_tokens: int) -> None:
         self.prompt_tokens, self.block_size, self.max_tokens = prompt_tokens, block_size, max_tokens
-        self.gpu: list[int] = []
-        self.cpu: list[int] = []
-        self.storage: list[int] = []
-        self.pending: list[float] = []
-        self.running: list[float] = []
-        self.others_left: list[float] = []
-        self.inflight: list[float] = []
-        self.cap_blocks: list[int] = []
-        self.used: list[float] = []
-        self.kv: list[float] = []
-        self.new_blocks: list[int] = []
-        self.resident: list[int] = []
-        self.memory_wait: list[float] = []
-        self.ttft_slope: list[float] = []
-        self.decode_slope: list[float] = []
+        self.rows: list[tuple[float, ...]] = []  # one per candidate, in ``_COLUMNS`` order
+        self._arrays: np.ndarray | None = None
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        """A column as a float array (``cols.gpu``...), every candidate's value in order."""
+        try:
+            i = _COLUMNS.index(name)
+        except ValueError:
+            raise AttributeError(name) from None
+        if self._arrays is None or self._arrays.shape[1] != len(self.rows):
+            self._arrays = (np.array(self.rows, dtype=float).T if self.rows
+                            else np.zeros((len(_COLUMNS), 0), dtype=float))
+        return self._arrays[i]
 
     def add(self, costs: CostModel, worker_id: str, match: PrefixMatch | None, load: WorkerLoad | None,
             metrics: EngineMetrics | None, new_blocks: int, resident_tokens: int, capacity_tokens: int | None,
             memory_wait_s: float, remaining_tokens: float | None = None) -> None:
         p = costs.params
-        if match is None:
-            self.gpu.append(0)
-            self.cpu.append(0)
-            self.storage.append(0)
+        if load is None:
+            pending = running = requests = ours = output = 0
+            used = 0.0
         else:
-            self.gpu.append(match.gpu)
-            self.cpu.append(match.cpu)
-            self.storage.append(match.storage)
-        pending = load.pending_prefill_tokens if load else 0
-        running = load.decoding if load else 0
+            pending, running, requests = load.pending_prefill_tokens, load.decoding, load.requests
+            ours, output, used = requests - running, load.output_tokens, float(load.active_blocks)
         kv = None
         if metrics is not None:
             if metrics.waiting is not None:
                 # the engine's waiting count includes ours (known exactly); only the excess is other routers' work
-                ours = (load.requests - load.decoding) if load else 0
                 pending += max(0, int(metrics.waiting) - ours) * p.waiting_prompt_tokens
             if metrics.running is not None:
                 running = max(running, int(metrics.running))  # running includes ours: the larger count wins
             kv = metrics.kv_usage
-        self.pending.append(pending)
-        self.running.append(running)
         # over its decode, the requests there now end as it runs (``remaining_fraction`` of theirs to come)
-        self.others_left.append(p.remaining_fraction * (load.output_tokens if load else 0)
-                                if remaining_tokens is None else remaining_tokens)
-        self.inflight.append(max(load.requests if load else 0, running))
+        others_left = p.remaining_fraction * output if remaining_tokens is None else remaining_tokens
         cap = capacity_tokens // self.block_size if capacity_tokens else 0
-        used = float(load.active_blocks) if load else 0.0
         if cap and kv is not None:
             used = max(used, kv * cap)  # the engine's own view (other routers too)
-        self.cap_blocks.append(cap)
-        self.used.append(used)
-        self.kv.append(kv or 0.0)
-        self.new_blocks.append(new_blocks)
-        self.resident.append(resident_tokens)
-        self.memory_wait.append(memory_wait_s)
         prof = costs.profile(worker_id)
-        self.ttft_slope.append(prof.ttft.slope)
-        self.decode_slope.append(prof.decode.slope)
+        g, c, st = (0, 0, 0) if match is None else (match.gpu, match.cpu, match.storage)
+        self.rows.append((g, c, st, pending, running, others_left, max(requests, running), cap, used, kv or 0.0,
+                          new_blocks, resident_tokens, memory_wait_s, prof.ttft.slope, prof.decode.slope))
 
 
 @dataclass

@@ -64,6 +64,7 @@ class Snapshot:
         self.eligible: list[Candidate] = self.candidates
         self._matched: dict[str, PrefixMatch | None] | None = None
         self._best_held = 0
+        self._tail: int | None = None
 
     @property
     def costs(self) -> CostModel:
@@ -131,11 +132,13 @@ class Snapshot:
             return 0.0
         # its prompt blocks no request in flight holds, and its partial block and output: engines admit on
         # what is free now, but a cache that cannot hold every request to its last token preempts (recompute)
-        tail = tail_blocks(req.prompt_tokens, len(req.keys), req.max_tokens, req.block_size)
+        if self._tail is None:  # the same for every candidate: once per decision
+            self._tail = tail_blocks(req.prompt_tokens, len(req.keys), req.max_tokens, req.block_size)
+        tail, n = self._tail, len(req.keys)
         room = capacity // req.block_size - load.active_blocks
-        if len(req.keys) + tail <= room:
+        if n + tail <= room:
             return 0.0  # fits even without the blocks it shares with requests in flight
-        over = len(req.keys) - load.shared_prefix_blocks(req.keys) + tail - room
+        over = n - load.shared_prefix_blocks(req.keys) + tail - room
         if over <= 0:
             return 0.0
         return self._state.load.release_wait_s(cand.worker_id, over, self.now, decode_step_s)

@@ -1,0 +1,140 @@
+"""The compact index's own paths: the numpy bulk store against the brute-force model, the hash kinds engines
+send (uint64 above 2^63, signed int64, bytes digests), table growth and compaction, wide fleets, and the
+array form of a match."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.index import MEDIA, KvIndex, Medium, PrefixMatch, residency
+from tests.test_index import WORKERS, ModelIndex, key_of, op
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(op, max_size=40), st.lists(st.lists(st.integers(0, 11), max_size=8), min_size=1, max_size=4))
+def test_bulk_store_agrees_with_brute_force(ops, queries):
+    """Every store of two blocks or more takes the numpy path (normally only long batches do)."""
+    saved = residency._BULK
+    residency._BULK = 2
+    try:
+        index, model = KvIndex(), ModelIndex()
+        for kind, w, hs, m in ops:
+            if kind == "store":
+                index.store(w, hs, [key_of(h) for h in hs], m)
+                model.store(w, hs, m)
+            elif kind == "remove":
+                index.remove(w, hs, m)
+                model.remove(w, hs, m)
+            elif kind == "clear":
+                index.clear_worker(w)
+                model.clear(w)
+            else:
+                index.remove_worker(w)
+                model.clear(w)
+            for q in queries:
+                assert index.match(q) == model.match(q)
+        for w in WORKERS:
+            assert index.blocks_held(w) == {m: len(model.refs[w, m]) for m in MEDIA}
+            assert index.engine_hashes(w) == {m: set(model.refs[w, m]) for m in MEDIA}
+        assert len(index) == sum(len(r) for r in model.refs.values())
+    finally:
+        residency._BULK = saved
+
+
+@pytest.mark.parametrize("bulk", [False, True])
+def test_engine_hashes_come_back_as_sent(bulk, monkeypatch):
+    if bulk:
+        monkeypatch.setattr(residency, "_BULK", 2)
+    index = KvIndex()
+    vllm = [(1 << 64) - 1, (1 << 63) + 5, 7]  # uint64, two above 2^63
+    sglang = [-(1 << 63), -5, 9]  # signed int64
+    digests = [b"\x01" * 32, b"\x02" * 32, b"short"]
+    index.store("vllm", vllm, [(1 << 64) - 10, 11, 12], Medium.GPU)
+    index.store("sglang", sglang, [20, 21, 22], Medium.GPU)
+    index.store("digest", digests, [30, 31, 32], Medium.CPU)
+    assert index.engine_hashes("vllm")[Medium.GPU] == set(vllm)
+    assert index.engine_hashes("sglang")[Medium.GPU] == set(sglang)
+    assert index.engine_hashes("digest")[Medium.CPU] == set(digests)
+    assert index.resident_keys("vllm")[Medium.GPU] == {(1 << 64) - 10, 11, 12}
+    assert index.key_of("vllm", (1 << 63) + 5) == 11 and index.key_of("sglang", -5) == 21
+    assert index.key_of("digest", b"short") == 32 and index.key_of("digest", b"other") is None
+    assert index.match([(1 << 64) - 10, 11]) == {"vllm": PrefixMatch(gpu=2)}
+    exported = index.export_worker("digest")
+    assert [e.engine_hash for e in exported] == digests
+    assert index.remove("digest", digests[:2], Medium.CPU) == 0
+    assert index.engine_hashes("digest")[Medium.CPU] == {b"short"}
+    assert index.remove("sglang", [-5, -6], Medium.GPU) == 1
+
+
+def test_growth_and_compaction_keep_lru_order_and_lookups():
+    """Far past the first table and row sizes, with holes from removals and hashes stored again."""
+    index = KvIndex()
+    n = 20_000
+    index.store("a", range(n), range(10_000, 10_000 + n), Medium.GPU)  # bulk
+    for h in range(0, n, 3):  # holes
+        index.remove("a", [h], Medium.GPU)
+    for h in range(1, 200, 3):  # stored again: moves to the end
+        index.store("a", [h], [10_000 + h], Medium.GPU)
+    index.store("b", range(n, 2 * n), range(10_000, 10_000 + n), Medium.GPU)  # all shared with a
+    kept = [h for h in range(n) if h % 3]
+    order = [e.engine_hash for e in index.export_worker("a")]
+    again = [h for h in range(1, 200, 3)]
+    assert order == [h for h in kept if h not in set(again)] + again
+    assert index.blocks_held("a")[Medium.GPU] == len(kept)
+    assert index.key_of("a", 4) == 10_004 and index.key_of("a", 3) is None
+    assert index.match(list(range(10_000, 10_010))) == {"b": PrefixMatch(gpu=10)}  # a lost block 0
+    assert index.match(list(range(10_001, 10_003))) == {"a": PrefixMatch(gpu=2), "b": PrefixMatch(gpu=2)}
+    index.clear_worker("b")
+    assert index.match([10_001, 10_002]) == {"a": PrefixMatch(gpu=2)}
+    assert len(index) == len(kept)
+
+
+def test_a_wide_fleet_matches_across_mask_words():
+    """More than 64 workers: holder masks span several words, and ranks beyond the first word match."""
+    index = KvIndex()
+    keys = list(range(100, 140))
+    for j in range(150):
+        held = keys[: j % 41]
+        index.store(f"w{j}", range(1000 * j, 1000 * j + len(held)), held, Medium.GPU if j % 2 else Medium.CPU)
+    got = index.match(keys)
+    want = {}
+    for j in range(150):
+        held = j % 41
+        if held:
+            want[f"w{j}"] = PrefixMatch(gpu=held) if j % 2 else PrefixMatch(gpu=0, cpu=held)
+    assert got == want
+    slots, gpu, cpu, storage = index.match_lengths(keys)
+    assert {index.workers()[s]: (g, c) for s, g, c in zip(slots, gpu, cpu, strict=True)} == {
+        w: (p.gpu, p.cpu) for w, p in want.items()}
+    assert not storage.any()
+
+
+def test_eviction_on_bulk_stores_takes_the_biggest_workers_oldest():
+    index = KvIndex(capacity=1000)
+    index.store("small", range(100), range(5000, 5100), Medium.GPU)
+    index.store("big", range(100, 1100), range(1000), Medium.GPU)
+    assert len(index) <= 1000 and index.blocks_held("small")[Medium.GPU] == 100
+    assert not index.holds("big", 0) and index.holds("big", 999)
+
+
+def test_memory_per_block_is_flat_arrays():
+    index = KvIndex(capacity=1 << 30)
+    rng = np.random.default_rng(1)
+    for j in range(64):
+        keys = rng.integers(0, 1 << 63, 2000).tolist()
+        index.store(f"w{j}", range(2000 * j, 2000 * (j + 1)), keys, Medium.GPU)
+    assert index.nbytes / len(index) <= 40
+
+
+def test_numpy_arrays_store_as_their_python_ints_would():
+    """A batched caller (the simulator) may hand arrays: uint64 above 2^63 comes back unsigned, int64 signed."""
+    a, b = KvIndex(), KvIndex()
+    hashes = np.array([(1 << 63) + i for i in range(40)], dtype=np.uint64)
+    keys = np.arange(40, dtype=np.uint64) + np.uint64(1 << 63)
+    a.store("w", hashes, keys, Medium.GPU)
+    b.store("w", [int(h) for h in hashes], [int(k) for k in keys], Medium.GPU)
+    assert a.export_worker("w") == b.export_worker("w")
+    a.store("s", np.arange(-40, 0, dtype=np.int64), np.arange(40, dtype=np.int64), Medium.GPU)
+    assert a.engine_hashes("s")[Medium.GPU] == set(range(-40, 0))
+    assert a.match([int(k) for k in keys[:3]]) == {"w": PrefixMatch(gpu=3)}
