@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from router.events.codec import BlockRemoved, BlockStored, EventBatch, decode_payload, encode_payload
 from router.events.feed import IndexFeeder
-from router.index import KvIndex, Medium
+from router.index import INDEX_LAYOUTS, KvIndex, Medium
 from router.keys import request_keys
 
 BLOCK = 16
@@ -63,7 +63,7 @@ def make_batches(n_batches: int, events_per_batch: int = 4, blocks_per_event: in
     return payloads, block_events
 
 
-def bench_ingest(rounds: int, n_batches: int) -> dict[str, float]:
+def bench_ingest(rounds: int, n_batches: int, layout: type[KvIndex] = KvIndex) -> dict[str, float]:
     payloads, block_events = make_batches(n_batches)
     decode_rates, ingest_rates = [], []
     for _ in range(rounds):
@@ -72,7 +72,7 @@ def bench_ingest(rounds: int, n_batches: int) -> dict[str, float]:
         for p in payloads:
             decode_payload(p)
         decode_rates.append(block_events / (time.perf_counter() - t0))
-        feeder = IndexFeeder(KvIndex(), block_size=BLOCK)
+        feeder = IndexFeeder(layout(), block_size=BLOCK)
         gc.collect()
         t0 = time.perf_counter()
         for seq, p in enumerate(payloads):
@@ -84,9 +84,10 @@ def bench_ingest(rounds: int, n_batches: int) -> dict[str, float]:
     }
 
 
-def build_index(n_workers: int, total_blocks: int, prompts: dict[str, list[int]], seed: int = 2) -> KvIndex:
+def build_index(n_workers: int, total_blocks: int, prompts: dict[str, list[int]], seed: int = 2,
+                layout: type[KvIndex] = KvIndex) -> KvIndex:
     rng = random.Random(seed)
-    index = KvIndex(capacity=total_blocks * 2)
+    index = layout(capacity=total_blocks * 2)
     per_worker = total_blocks // n_workers
     next_hash = 1
     for j in range(n_workers):
@@ -104,14 +105,15 @@ def build_index(n_workers: int, total_blocks: int, prompts: dict[str, list[int]]
     return index
 
 
-def bench_match(n_workers: int, total_blocks: int, iters: int) -> tuple[dict[str, dict[str, float]], int]:
+def bench_match(n_workers: int, total_blocks: int, iters: int,
+                layout: type[KvIndex] = KvIndex) -> tuple[dict[str, dict[str, float]], int]:
     rng = random.Random(3)
     prompts_tokens = {
         "8k": [rng.randrange(32000) for _ in range(8192)],
         "32k": [rng.randrange(32000) for _ in range(32768)],
     }
     prompts = {name: request_keys(t, BLOCK) for name, t in prompts_tokens.items()}
-    index = build_index(n_workers, total_blocks, prompts)
+    index = build_index(n_workers, total_blocks, prompts, layout=layout)
     out: dict[str, dict[str, float]] = {}
     for name, keys in prompts.items():
         samples = []
@@ -133,12 +135,12 @@ def bench_match(n_workers: int, total_blocks: int, iters: int) -> tuple[dict[str
     return out, len(index)
 
 
-def bench_memory(n_blocks: int) -> float:
+def bench_memory(n_blocks: int, layout: type[KvIndex] = KvIndex) -> float:
     rng = random.Random(4)
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    index = KvIndex(capacity=n_blocks * 2)
+    index = layout(capacity=n_blocks * 2)
     step = 1000
     for j in range(0, n_blocks, step):
         index.store(f"w{j // step % 64}", range(j, j + step), [rng.getrandbits(64) for _ in range(step)],
@@ -148,7 +150,7 @@ def bench_memory(n_blocks: int) -> float:
     return used / len(index)
 
 
-def bench_scale(total_blocks: int, n_workers: int, iters: int = 50) -> dict:
+def bench_scale(total_blocks: int, n_workers: int, iters: int = 50, layout: type[KvIndex] = KvIndex) -> dict:
     """Build ``total_blocks`` over ``n_workers`` (as ``bench_match`` does), traced: bytes per resident block,
     build rate, and the match latency at that size."""
     rng = random.Random(3)
@@ -158,7 +160,7 @@ def bench_scale(total_blocks: int, n_workers: int, iters: int = 50) -> dict:
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     t0 = time.perf_counter()
-    index = build_index(n_workers, total_blocks, prompts)
+    index = build_index(n_workers, total_blocks, prompts, layout=layout)
     build_s = time.perf_counter() - t0
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
@@ -173,13 +175,14 @@ def bench_scale(total_blocks: int, n_workers: int, iters: int = 50) -> dict:
             "match_8k_p99_ms": round(_percentile(samples, 0.99), 3)}
 
 
-def run(quick: bool = False, progress: Callable[[str], None] = lambda s: None) -> dict:
-    progress("ingest")
-    ingest = bench_ingest(rounds=3 if quick else 5, n_batches=200 if quick else 2000)
-    progress("match")
-    match, resident = bench_match(64, 50_000 if quick else 1_000_000, iters=50 if quick else 500)
-    progress("memory")
-    per_block = bench_memory(20_000 if quick else 200_000)
+def run_layout(layout: type[KvIndex], quick: bool, progress: Callable[[str], None]) -> dict:
+    name = next(k for k, v in INDEX_LAYOUTS.items() if v is layout)
+    progress(f"{name}: ingest")
+    ingest = bench_ingest(rounds=3 if quick else 5, n_batches=200 if quick else 2000, layout=layout)
+    progress(f"{name}: match")
+    match, resident = bench_match(64, 50_000 if quick else 1_000_000, iters=50 if quick else 500, layout=layout)
+    progress(f"{name}: memory")
+    per_block = bench_memory(20_000 if quick else 200_000, layout=layout)
     return {
         "ingest_block_events_per_s": round(ingest["ingest_block_events_per_s"]),
         "decode_only_block_events_per_s": round(ingest["decode_only_block_events_per_s"]),
@@ -193,9 +196,16 @@ def run(quick: bool = False, progress: Callable[[str], None] = lambda s: None) -
     }
 
 
+def run(quick: bool = False, progress: Callable[[str], None] = lambda s: None) -> dict:
+    """Both index layouts in one run (the same batches, prompts and sizes): the default ``dicts`` layout's
+    figures at the top level, and each layout's under ``layouts``."""
+    layouts = {name: run_layout(cls, quick, progress) for name, cls in INDEX_LAYOUTS.items()}
+    return {**layouts["dicts"], "layouts": layouts}
+
+
 def main(args: argparse.Namespace) -> int:
     if getattr(args, "blocks", None):
-        res = bench_scale(args.blocks, args.workers or 1000)
+        res = bench_scale(args.blocks, args.workers or 1000, layout=INDEX_LAYOUTS[args.layout or "compact"])
         if args.json:
             print(json.dumps(res, indent=2, sort_keys=True))
         else:
@@ -208,17 +218,23 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(res, indent=2, sort_keys=True))
         return 0
-    ing, dec = res["ingest_block_events_per_s"], res["decode_only_block_events_per_s"]
-    rows = [
-        ("ingest (decode+apply), block-events/s, 1 core", f"{ing:,}"),
-        ("  baseline: decode only, block-events/s", f"{dec:,}  (ingest = {ing / dec:.2f}x of it)"),
-    ]
+    names = list(res["layouts"])
+    by = res["layouts"]
+
+    def cells(f: Callable[[dict], str]) -> str:
+        return "".join(f"{f(by[n]):>24}" for n in names)
+
+    rows = [("", "".join(f"{n:>24}" for n in names)),
+            ("ingest (decode+apply), block-events/s, 1 core", cells(lambda r: f"{r['ingest_block_events_per_s']:,}")),
+            ("  baseline: decode only, block-events/s", cells(lambda r: f"{r['decode_only_block_events_per_s']:,}")),
+            ("  ingest as a fraction of decode only", cells(
+                lambda r: f"{r['ingest_block_events_per_s'] / r['decode_only_block_events_per_s']:.3f}x"))]
     for k in ("8k", "32k"):
-        rows.append((f"match {k} tokens, p50 / p99 ms ({res['workers']} workers, "
-                     f"{res['resident_blocks']:,} blocks)",
-                     f"{res['match_p50_ms'][k]:.3f} / {res['match_p99_ms'][k]:.3f}"))
-        rows.append((f"  block keys for {k} tokens, p50 ms (not in match)", f"{res['keys_p50_ms'][k]:.3f}"))
-    rows.append(("index memory, bytes per resident block", f"{res['bytes_per_resident_block']:.0f}"))
+        rows.append((f"match {k} tokens, p50 / p99 ms (64 workers, {res['resident_blocks']:,} blocks)",
+                     cells(lambda r, k=k: f"{r['match_p50_ms'][k]:.3f} / {r['match_p99_ms'][k]:.3f}")))
+        rows.append((f"  block keys for {k} tokens, p50 ms (not in match)",
+                     cells(lambda r, k=k: f"{r['keys_p50_ms'][k]:.3f}")))
+    rows.append(("index memory, bytes per resident block", cells(lambda r: f"{r['bytes_per_resident_block']:.0f}")))
     width = max(len(r[0]) for r in rows)
     for name, val in rows:
         print(f"{name:<{width}}  {val}")
@@ -231,4 +247,5 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--blocks", type=int, default=None, help="build this many blocks and measure (e.g. 20000000)")
     parser.add_argument("--workers", type=int, default=None, help="over this many workers (default 1000)")
+    parser.add_argument("--layout", choices=sorted(INDEX_LAYOUTS), default=None, help="with --blocks (compact)")
     raise SystemExit(main(parser.parse_args()))

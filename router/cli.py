@@ -390,6 +390,11 @@ def build_parser() -> argparse.ArgumentParser:
                             help="profiles timed at 64 workers beside precise (default precise,round_robin,random)")
             bp.add_argument("--baseline", help="a git revision to time in the same run, interleaved (e.g. HEAD~1)")
             bp.add_argument("--rounds", type=int, default=None, help="interleaved rounds with --baseline (3)")
+        if name == "index":
+            bp.add_argument("--blocks", type=int, default=None,
+                            help="instead: build this many resident blocks once and measure (e.g. 20000000)")
+            bp.add_argument("--workers", type=int, default=None, help="with --blocks: over this many (1000)")
+            bp.add_argument("--layout", choices=["compact", "dicts"], default=None, help="with --blocks (compact)")
         if name == "soak":
             bp.add_argument("--duration", type=float, default=None,
                             help="seconds of load (default 600; 60 with --quick)")

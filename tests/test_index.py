@@ -2,13 +2,16 @@
 
 from collections import defaultdict
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.index import MEDIA, KvIndex, Medium, PrefixMatch
+from router.index import MEDIA, CompactKvIndex, KvIndex, Medium, PrefixMatch
 
 KEYS = 12  # a small key space so different hashes share keys and prefixes overlap
 WORKERS = ["a", "b", "c"]
+# every test runs on both layouts: one API, one behaviour
+LAYOUTS = pytest.mark.parametrize("Index", [KvIndex, CompactKvIndex], ids=["dicts", "compact"])
 
 
 def key_of(h: int) -> int:
@@ -67,10 +70,11 @@ op = st.one_of(
 )
 
 
+@LAYOUTS
 @settings(max_examples=300, deadline=None)
 @given(st.lists(op, max_size=40), st.lists(st.lists(st.integers(0, KEYS - 1), max_size=8), min_size=1, max_size=4))
-def test_random_interleavings_agree_with_brute_force(ops, queries):
-    index, model = KvIndex(), ModelIndex()
+def test_random_interleavings_agree_with_brute_force(Index, ops, queries):
+    index, model = Index(), ModelIndex()
     for kind, w, hs, m in ops:
         if kind == "store":
             index.store(w, hs, [key_of(h) for h in hs], m)
@@ -92,8 +96,9 @@ def test_random_interleavings_agree_with_brute_force(ops, queries):
     assert len(index) == sum(len(r) for r in model.refs.values())
 
 
-def test_removal_resolves_through_engine_hash_and_counts_unknown():
-    index = KvIndex()
+@LAYOUTS
+def test_removal_resolves_through_engine_hash_and_counts_unknown(Index):
+    index = Index()
     index.store("a", [101, 102], [1, 2], Medium.GPU)
     assert index.remove("a", [999], Medium.GPU) == 1
     assert index.remove("a", [102], Medium.GPU) == 0
@@ -101,8 +106,9 @@ def test_removal_resolves_through_engine_hash_and_counts_unknown():
     assert index.key_of("a", 101) == 1 and index.key_of("a", 102) is None
 
 
-def test_same_hash_stored_twice_needs_two_removals():
-    index = KvIndex()
+@LAYOUTS
+def test_same_hash_stored_twice_needs_two_removals(Index):
+    index = Index()
     index.store("a", [7], [70], Medium.GPU)
     index.store("a", [7], [70], Medium.GPU)
     index.remove("a", [7], Medium.GPU)
@@ -111,8 +117,9 @@ def test_same_hash_stored_twice_needs_two_removals():
     assert not index.holds("a", 70)
 
 
-def test_tiers_split_the_prefix_by_cheapest_medium():
-    index = KvIndex()
+@LAYOUTS
+def test_tiers_split_the_prefix_by_cheapest_medium(Index):
+    index = Index()
     index.store("a", [1, 2], [10, 11], Medium.GPU)
     index.store("a", [3], [12], Medium.CPU)
     index.store("a", [4], [13], Medium.STORAGE)
@@ -123,8 +130,9 @@ def test_tiers_split_the_prefix_by_cheapest_medium():
     assert m["a"].total == 4
 
 
-def test_capacity_bounds_memory_by_evicting_oldest_of_the_biggest_worker():
-    index = KvIndex(capacity=100)
+@LAYOUTS
+def test_capacity_bounds_memory_by_evicting_oldest_of_the_biggest_worker(Index):
+    index = Index(capacity=100)
     index.store("small", range(10), range(1000, 1010), Medium.GPU)
     index.store("big", range(100, 200), range(100), Medium.GPU)  # pushes past capacity
     assert len(index) <= 100
@@ -135,8 +143,9 @@ def test_capacity_bounds_memory_by_evicting_oldest_of_the_biggest_worker():
     assert index.match(list(range(1000, 1010)))["small"].gpu == 10
 
 
-def test_worker_slots_are_reused_without_leaking_old_residency():
-    index = KvIndex()
+@LAYOUTS
+def test_worker_slots_are_reused_without_leaking_old_residency(Index):
+    index = Index()
     index.store("a", [1], [5], Medium.GPU)
     index.remove_worker("a")
     index.store("b", [2], [6], Medium.GPU)  # takes a's slot
@@ -144,8 +153,9 @@ def test_worker_slots_are_reused_without_leaking_old_residency():
     assert index.match([6]) == {"b": PrefixMatch(gpu=1)}
 
 
-def test_export_import_worker_rebuilds_refcounts_and_lru_order():
-    src = KvIndex()
+@LAYOUTS
+def test_export_import_worker_rebuilds_refcounts_and_lru_order(Index):
+    src = Index()
     src.store("w", [1, 2, 3], [11, 12, 13], Medium.GPU)
     src.store("w", [2], [12], Medium.GPU)  # stored twice: count 2, and now the most recent
     src.store("w", [9], [19], Medium.CPU)
@@ -153,7 +163,7 @@ def test_export_import_worker_rebuilds_refcounts_and_lru_order():
     exported = src.export_worker("w")
     assert [(e.medium, e.engine_hash, e.key, e.count) for e in exported] == [
         (Medium.GPU, 1, 11, 1), (Medium.GPU, 3, 13, 1), (Medium.GPU, 2, 12, 2), (Medium.CPU, 9, 19, 1)]
-    dst = KvIndex()
+    dst = Index()
     dst.store("w", [7], [17], Medium.GPU)  # replaced, not merged
     dst.import_worker("w", exported)
     assert dst.export_worker("w") == exported
@@ -163,16 +173,17 @@ def test_export_import_worker_rebuilds_refcounts_and_lru_order():
     assert src.export_worker("nobody") == []
 
 
-def test_residency_digest_is_order_independent_and_sees_counts_and_media():
+@LAYOUTS
+def test_residency_digest_is_order_independent_and_sees_counts_and_media(Index):
     from router.index.digest import residency_digest
 
-    a, b = KvIndex(), KvIndex()
+    a, b = Index(), Index()
     a.store("w", [1, 2], [11, 12], Medium.GPU)
     b.store("w", [2], [12], Medium.GPU)
     b.store("w", [1], [11], Medium.GPU)
     assert residency_digest(a, "w") == residency_digest(b, "w")
     b.store("w", [1], [11], Medium.GPU)  # a second copy
     assert residency_digest(a, "w") != residency_digest(b, "w")
-    c = KvIndex()
+    c = Index()
     c.store("w", [1, 2], [11, 12], Medium.CPU)
     assert residency_digest(a, "w") != residency_digest(c, "w")

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.index import MEDIA, KvIndex, Medium, PrefixMatch, residency
+from router.index import MEDIA, Medium, PrefixMatch, compact
+from router.index import CompactKvIndex as KvIndex
 from tests.test_index import WORKERS, ModelIndex, key_of, op
 
 
@@ -15,8 +16,8 @@ from tests.test_index import WORKERS, ModelIndex, key_of, op
 @given(st.lists(op, max_size=40), st.lists(st.lists(st.integers(0, 11), max_size=8), min_size=1, max_size=4))
 def test_bulk_store_agrees_with_brute_force(ops, queries):
     """Every store of two blocks or more takes the numpy path (normally only long batches do)."""
-    saved = residency._BULK
-    residency._BULK = 2
+    saved = compact._BULK
+    compact._BULK = 2
     try:
         index, model = KvIndex(), ModelIndex()
         for kind, w, hs, m in ops:
@@ -39,13 +40,13 @@ def test_bulk_store_agrees_with_brute_force(ops, queries):
             assert index.engine_hashes(w) == {m: set(model.refs[w, m]) for m in MEDIA}
         assert len(index) == sum(len(r) for r in model.refs.values())
     finally:
-        residency._BULK = saved
+        compact._BULK = saved
 
 
 @pytest.mark.parametrize("bulk", [False, True])
 def test_engine_hashes_come_back_as_sent(bulk, monkeypatch):
     if bulk:
-        monkeypatch.setattr(residency, "_BULK", 2)
+        monkeypatch.setattr(compact, "_BULK", 2)
     index = KvIndex()
     vllm = [(1 << 64) - 1, (1 << 63) + 5, 7]  # uint64, two above 2^63
     sglang = [-(1 << 63), -5, 9]  # signed int64

@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass, field
 
 from router.events.feed import IndexFeeder
+from router.index import INDEX_LAYOUTS
 from router.load import EngineMetrics
 from router.scheduling.cost import CostParams
 from router.scheduling.disagg import DisaggParams, PrefillPlan, plan_prefill
@@ -41,6 +42,7 @@ class RoutingConfig:
     max_inflight_tokens: int | None = None
     metrics_max_age_s: float = 2.0
     approx_capacity_blocks: int = 2_000_000
+    index: str = "dicts"  # the KV index's layout: dicts (fastest up to a few hundred workers) | compact (1,000+)
     cost: CostParams = field(default_factory=CostParams)
     disaggregation: DisaggParams = field(default_factory=DisaggParams)  # with prefill workers in the fleet
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
@@ -52,6 +54,8 @@ class RoutingConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {profile_names(self.scheduling)}")
         if self.block_size <= 0:
             raise ValueError("block_size must be positive")
+        if self.index not in INDEX_LAYOUTS:
+            raise ValueError(f"unknown index layout {self.index!r}; choose from {sorted(INDEX_LAYOUTS)}")
 
 
 class RoutingCore:
@@ -59,7 +63,8 @@ class RoutingCore:
         self.config = cfg = config or RoutingConfig()
         self.state = FleetState(cfg.block_size, stale_after_s=cfg.stale_after_s,
                                 speculative_ttl_s=cfg.speculative_ttl_s, metrics_max_age_s=cfg.metrics_max_age_s,
-                                cost=cfg.cost, feeder=feeder)
+                                cost=cfg.cost, feeder=feeder or IndexFeeder(INDEX_LAYOUTS[cfg.index](),
+                                                                            block_size=cfg.block_size))
         self.rng = random.Random(cfg.seed)
         builtin = builtin_profiles(cfg.max_inflight_requests, cfg.max_inflight_tokens, cfg.approx_capacity_blocks)
         self.profile = build_profile(cfg.policy, cfg.scheduling, self.rng, builtin)
