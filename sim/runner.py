@@ -4,13 +4,13 @@ Nothing about routing or caching is re-implemented here: requests are keyed by `
 ``RoutingCore`` (the live router's core), executed by ``workers.engine.EngineModel`` (the simulated worker's
 engine), and the index is fed by the engines' own events through ``IndexFeeder``. What the simulator adds
 is time: arrivals, step completions, event delivery (optionally delayed, dropped or stopped per worker) and
-metric scrapes: every ``scrape_interval_s`` each engine's ``/metrics`` text (workers.engine.metrics, what the
-simulated worker serves) goes through the live router's parser into the core, as the fleet's probe loop does.
+metric scrapes: every ``scrape_interval_s`` each engine's metrics reach the core as the fleet's probe loop
+hands them over, read by ``workers.engine.metrics.engine_scrape`` (what the router's parser reads from the
+``/metrics`` text the simulated worker serves, without formatting and parsing that text 64 times a second).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 from collections.abc import Callable, Sequence
@@ -20,12 +20,11 @@ import numpy as np
 
 from router.events.codec import EventBatch
 from router.keys import chain_keys
-from router.load import EngineMetrics, parse_engine_metrics
 from router.scheduling import Decision, Endpoint, RouteRequest, RoutingConfig, RoutingCore
 from sim.oracle import sim_routing
 from sim.workload import SimRequest
 from workers.engine import EngineConfig, EngineModel, EngineRequest, StepResult
-from workers.engine.metrics import engine_metrics_text
+from workers.engine.metrics import engine_scrape
 
 SCRAPE, ARRIVE, STEP_END, EVENTS, RESTART, KV_ARRIVE = 0, 1, 2, 3, 4, 5
 
@@ -120,7 +119,6 @@ class Simulation:
         self.route_reqs: dict[str, RouteRequest] = {}
         self.deciding: tuple[SimRequest, np.ndarray] | None = None  # the arrival being decided, for sim plugins
         self.restarts: list[tuple[float, str]] = []  # (time, worker) of each engine restart
-        self._scraped: dict[str, tuple[tuple, EngineMetrics]] = {}  # per worker: engine state, its parsed scrape
         for plugin in self.core.profile.plugins:  # plugins that read the simulation itself (sim/oracle.py)
             attach = getattr(plugin, "attach_simulation", None)
             if attach is not None:
@@ -257,18 +255,9 @@ class Simulation:
         return True
 
     def _scrape(self, now: float) -> None:
+        update = self.core.update_metrics
         for w, engine in self.engines.items():
-            st = engine.stats
-            # the exposition text is a function of these: an engine unchanged since its last scrape reads the same
-            key = (engine, engine.num_running, engine.num_waiting, engine.kv_usage, st.prefix_queries_tokens,
-                   st.prefix_hits_tokens, st.preemptions, st.prompt_tokens, st.generation_tokens)
-            last = self._scraped.get(w)
-            if last is not None and last[0] == key:
-                metrics = dataclasses.replace(last[1], scraped_at=now)
-            else:
-                metrics = parse_engine_metrics(engine_metrics_text(engine), now)
-                self._scraped[w] = (key, metrics)
-            self.core.update_metrics(w, metrics)
+            update(w, engine_scrape(engine, now))
 
     def _start_step(self, w: str, now: float) -> None:
         # nothing reaches this engine before the next arrival: let pure decode runs fast-forward to it
