@@ -99,9 +99,13 @@ class EngineRequest:
         return (self._seed + 2654435761 * (len(self.output) + 1)) % vocab
 
     def next_tokens(self, k: int, vocab: int) -> list[int]:
-        """The next ``k`` tokens ``next_token`` would give, one after another."""
+        """The next ``k`` tokens ``next_token`` would give, one after another (a long decode run's in one numpy
+        pass: the same residues, taken term by term modulo ``vocab``)."""
         m, seed = len(self.output), self._seed
-        return [(seed + 2654435761 * j) % vocab for j in range(m + 1, m + k + 1)]
+        if k < 32:
+            return [(seed + 2654435761 * j) % vocab for j in range(m + 1, m + k + 1)]
+        j = np.arange(m + 1, m + k + 1, dtype=np.int64) % vocab
+        return ((seed % vocab + (2654435761 % vocab) * j) % vocab).tolist()
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,11 +336,16 @@ class EngineModel:
     def _decode_run_length(self, now: float, until: float, step_s: float) -> int:
         if step_s <= 0:
             return 1
-        k = min(min(r.max_tokens - len(r.output) for r in self.running), int(min((until - now) / step_s, 1e9)))
+        k = int(min((until - now) / step_s, 1e9))
+        for r in self.running:
+            left = r.max_tokens - len(r.output)
+            if left < k:
+                k = left
         if k <= 1:
             return 1
         # blocks for k tokens each (the first step's are already allocated by _grow)
-        need = sum(self._blocks_for(r.num_computed + k) - len(r.block_ids) for r in self.running)
+        bs = self.config.block_size
+        need = sum(-(-(r.num_computed + k) // bs) - len(r.block_ids) for r in self.running)
         return k if need <= self.pool.num_free else 1
 
     def _decode_run(self, k: int, step_s: float, now: float) -> StepResult:
