@@ -11,9 +11,11 @@ hands them over, read by ``workers.engine.metrics.engine_scrape`` (what the rout
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -112,7 +114,12 @@ class Simulation:
         self.prefilling: dict[str, tuple[SimRequest, np.ndarray, str, str]] = {}
         self.busy = dict.fromkeys(self.ids, False)
         self.seq = dict.fromkeys(self.ids, 0)
-        self.published: dict[str, list[EventBatch]] = {w: [] for w in self.ids}  # the replay buffer
+        self.faults = {w: config.faults.get(i) for i, w in enumerate(self.ids)}
+        # the replay buffer, of the workers whose batches can be lost on the wire (drop_every, with replay): only
+        # they can ever see a gap (otherwise batches arrive in order), and every batch of every worker kept for
+        # a whole run was the simulator's largest use of memory (tens of GB for a million requests)
+        self.published: dict[str, list[EventBatch]] = {
+            w: [] for w, f in self.faults.items() if f is not None and f.drop_every and f.replay}
         self.heap: list[tuple[float, int, int, object]] = []
         self.counter = itertools.count()
         self.records: dict[str, RequestRecord] = {}
@@ -128,6 +135,10 @@ class Simulation:
         heapq.heappush(self.heap, (t, next(self.counter), kind, data))
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
+        with _rare_collections():
+            return self._run(progress)
+
+    def _run(self, progress: Callable[[int, int], None] | None) -> SimResult:
         import time as _time
 
         started = _time.perf_counter()
@@ -311,13 +322,15 @@ class Simulation:
             self._start_step(w, now)
 
     def _publish(self, w: str, events: list, now: float) -> None:
-        f = self.config.faults.get(self.ids.index(w))
+        f = self.faults[w]
         if f is not None and f.stop_at is not None and now >= f.stop_at and (f.resume_at is None or now < f.resume_at):
             return  # the engine's publisher is stopped: nothing is sent, nothing buffered
         batch = EventBatch(now, events, 0)
         seq = self.seq[w]
         self.seq[w] += 1
-        self.published[w].append(batch)
+        replay = self.published.get(w)
+        if replay is not None:
+            replay.append(batch)
         if f is not None and f.drop_every and (seq + 1) % f.drop_every == 0:
             return  # lost on the wire; noticed at the next batch
         self._push(now + (f.delay_s if f else 0.0), EVENTS, (w, self.generation[w], (seq, batch)))
@@ -355,19 +368,34 @@ class Simulation:
         self.generation[w] += 1
         self.busy[w] = False
         self.seq[w] = 0
-        self.published[w] = []
+        if w in self.published:
+            self.published[w] = []
         return lost
 
     def _deliver(self, w: str, item: tuple[int, EventBatch], now: float) -> None:
         seq, batch = item
         feeder = self.core.feeder
         gap = feeder.offer(w, seq, batch, now)
-        if gap is not None:
-            f = self.config.faults.get(self.ids.index(w))
-            replayed = []
-            if f is None or f.replay:
-                replayed = [(s, self.published[w][s]) for s in range(gap.first_missing, gap.next_seq)]
+        if gap is not None:  # a batch was dropped: replay what the engine's buffer holds, unless faults say not
+            replay = self.published.get(w)
+            replayed = [] if replay is None else [(s, replay[s]) for s in range(gap.first_missing, gap.next_seq)]
             feeder.fill_gap(gap, replayed, batch, now)
+
+
+@contextmanager
+def _rare_collections() -> Iterator[None]:
+    """A run allocates millions of small objects (blocks, events, outputs, records) beside a heap of millions of
+    long-lived ones (the engines' pools, the index): CPython's collector, run every 700 allocations and now and
+    then over that whole heap, took a sixth of a 64-worker trace run. Freeze what exists before the run and
+    collect the young rarely; reference cycles are still collected, only later."""
+    threshold = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
 
 
 def pooled(results: Sequence[SimResult]) -> SimResult:
