@@ -388,14 +388,15 @@ def _rare_collections() -> Iterator[None]:
     long-lived ones (the engines' pools, the index): CPython's collector, run every 700 allocations and now and
     then over that whole heap, took a sixth of a 64-worker trace run. Freeze what exists before the run and
     collect the young rarely; reference cycles are still collected, only later."""
-    threshold = gc.get_threshold()
+    threshold, frozen_by_caller = gc.get_threshold(), gc.get_freeze_count()
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
     try:
         yield
     finally:
         gc.set_threshold(*threshold)
-        gc.unfreeze()
+        if not frozen_by_caller:  # a caller's own freeze stays (ours then stays with it: unfreeze is all or none)
+            gc.unfreeze()
 
 
 def pooled(results: Sequence[SimResult]) -> SimResult:
