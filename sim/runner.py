@@ -279,12 +279,15 @@ class Simulation:
 
     def _step_end(self, w: str, result: StepResult, now: float) -> list[RequestRecord]:
         finished = []
-        for out in result.outputs:
-            split = self.prefilling.pop(out.request.request_id, None) if self.prefilling else None
-            if split is not None:  # a prefill done: its KV goes to the decode worker
-                self._prefilled(out.request, split, now)
-                continue
-            rec = self.records[out.request.request_id]
+        records, prefilling = self.records, self.prefilling
+        for out in result.outputs:  # one per running request: the simulator's innermost loop
+            rid = out.request.request_id
+            if prefilling:
+                split = prefilling.pop(rid, None)
+                if split is not None:  # a prefill done: its KV goes to the decode worker
+                    self._prefilled(out.request, split, now)
+                    continue
+            rec = records[rid]
             rec.output_tokens += out.count
             if out.first:
                 rec.first_token_at = now
