@@ -4,28 +4,29 @@ Nothing about routing or caching is re-implemented here: requests are keyed by `
 ``RoutingCore`` (the live router's core), executed by ``workers.engine.EngineModel`` (the simulated worker's
 engine), and the index is fed by the engines' own events through ``IndexFeeder``. What the simulator adds
 is time: arrivals, step completions, event delivery (optionally delayed, dropped or stopped per worker) and
-metric scrapes: every ``scrape_interval_s`` each engine's ``/metrics`` text (workers.engine.metrics, what the
-simulated worker serves) goes through the live router's parser into the core, as the fleet's probe loop does.
+metric scrapes: every ``scrape_interval_s`` each engine's metrics reach the core as the fleet's probe loop
+hands them over, read by ``workers.engine.metrics.engine_scrape`` (what the router's parser reads from the
+``/metrics`` text the simulated worker serves, without formatting and parsing that text 64 times a second).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import gc
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from router.events.codec import EventBatch
 from router.keys import chain_keys
-from router.load import EngineMetrics, parse_engine_metrics
 from router.scheduling import Decision, Endpoint, RouteRequest, RoutingConfig, RoutingCore
 from sim.oracle import sim_routing
 from sim.workload import SimRequest
 from workers.engine import EngineConfig, EngineModel, EngineRequest, StepResult
-from workers.engine.metrics import engine_metrics_text
+from workers.engine.metrics import engine_scrape
 
 SCRAPE, ARRIVE, STEP_END, EVENTS, RESTART, KV_ARRIVE = 0, 1, 2, 3, 4, 5
 
@@ -113,14 +114,18 @@ class Simulation:
         self.prefilling: dict[str, tuple[SimRequest, np.ndarray, str, str]] = {}
         self.busy = dict.fromkeys(self.ids, False)
         self.seq = dict.fromkeys(self.ids, 0)
-        self.published: dict[str, list[EventBatch]] = {w: [] for w in self.ids}  # the replay buffer
+        self.faults = {w: config.faults.get(i) for i, w in enumerate(self.ids)}
+        # the replay buffer, of the workers whose batches can be lost on the wire (drop_every, with replay): only
+        # they can ever see a gap (otherwise batches arrive in order), and every batch of every worker kept for
+        # a whole run was the simulator's largest use of memory (tens of GB for a million requests)
+        self.published: dict[str, list[EventBatch]] = {
+            w: [] for w, f in self.faults.items() if f is not None and f.drop_every and f.replay}
         self.heap: list[tuple[float, int, int, object]] = []
         self.counter = itertools.count()
         self.records: dict[str, RequestRecord] = {}
         self.route_reqs: dict[str, RouteRequest] = {}
         self.deciding: tuple[SimRequest, np.ndarray] | None = None  # the arrival being decided, for sim plugins
         self.restarts: list[tuple[float, str]] = []  # (time, worker) of each engine restart
-        self._scraped: dict[str, tuple[tuple, EngineMetrics]] = {}  # per worker: engine state, its parsed scrape
         for plugin in self.core.profile.plugins:  # plugins that read the simulation itself (sim/oracle.py)
             attach = getattr(plugin, "attach_simulation", None)
             if attach is not None:
@@ -130,6 +135,10 @@ class Simulation:
         heapq.heappush(self.heap, (t, next(self.counter), kind, data))
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
+        with _rare_collections():
+            return self._run(progress)
+
+    def _run(self, progress: Callable[[int, int], None] | None) -> SimResult:
         import time as _time
 
         started = _time.perf_counter()
@@ -257,18 +266,9 @@ class Simulation:
         return True
 
     def _scrape(self, now: float) -> None:
+        update = self.core.update_metrics
         for w, engine in self.engines.items():
-            st = engine.stats
-            # the exposition text is a function of these: an engine unchanged since its last scrape reads the same
-            key = (engine, engine.num_running, engine.num_waiting, engine.kv_usage, st.prefix_queries_tokens,
-                   st.prefix_hits_tokens, st.preemptions, st.prompt_tokens, st.generation_tokens)
-            last = self._scraped.get(w)
-            if last is not None and last[0] == key:
-                metrics = dataclasses.replace(last[1], scraped_at=now)
-            else:
-                metrics = parse_engine_metrics(engine_metrics_text(engine), now)
-                self._scraped[w] = (key, metrics)
-            self.core.update_metrics(w, metrics)
+            update(w, engine_scrape(engine, now))
 
     def _start_step(self, w: str, now: float) -> None:
         # nothing reaches this engine before the next arrival: let pure decode runs fast-forward to it
@@ -279,12 +279,15 @@ class Simulation:
 
     def _step_end(self, w: str, result: StepResult, now: float) -> list[RequestRecord]:
         finished = []
-        for out in result.outputs:
-            split = self.prefilling.pop(out.request.request_id, None) if self.prefilling else None
-            if split is not None:  # a prefill done: its KV goes to the decode worker
-                self._prefilled(out.request, split, now)
-                continue
-            rec = self.records[out.request.request_id]
+        records, prefilling = self.records, self.prefilling
+        for out in result.outputs:  # one per running request: the simulator's innermost loop
+            rid = out.request.request_id
+            if prefilling:
+                split = prefilling.pop(rid, None)
+                if split is not None:  # a prefill done: its KV goes to the decode worker
+                    self._prefilled(out.request, split, now)
+                    continue
+            rec = records[rid]
             rec.output_tokens += out.count
             if out.first:
                 rec.first_token_at = now
@@ -322,13 +325,15 @@ class Simulation:
             self._start_step(w, now)
 
     def _publish(self, w: str, events: list, now: float) -> None:
-        f = self.config.faults.get(self.ids.index(w))
+        f = self.faults[w]
         if f is not None and f.stop_at is not None and now >= f.stop_at and (f.resume_at is None or now < f.resume_at):
             return  # the engine's publisher is stopped: nothing is sent, nothing buffered
         batch = EventBatch(now, events, 0)
         seq = self.seq[w]
         self.seq[w] += 1
-        self.published[w].append(batch)
+        replay = self.published.get(w)
+        if replay is not None:
+            replay.append(batch)
         if f is not None and f.drop_every and (seq + 1) % f.drop_every == 0:
             return  # lost on the wire; noticed at the next batch
         self._push(now + (f.delay_s if f else 0.0), EVENTS, (w, self.generation[w], (seq, batch)))
@@ -366,19 +371,35 @@ class Simulation:
         self.generation[w] += 1
         self.busy[w] = False
         self.seq[w] = 0
-        self.published[w] = []
+        if w in self.published:
+            self.published[w] = []
         return lost
 
     def _deliver(self, w: str, item: tuple[int, EventBatch], now: float) -> None:
         seq, batch = item
         feeder = self.core.feeder
         gap = feeder.offer(w, seq, batch, now)
-        if gap is not None:
-            f = self.config.faults.get(self.ids.index(w))
-            replayed = []
-            if f is None or f.replay:
-                replayed = [(s, self.published[w][s]) for s in range(gap.first_missing, gap.next_seq)]
+        if gap is not None:  # a batch was dropped: replay what the engine's buffer holds, unless faults say not
+            replay = self.published.get(w)
+            replayed = [] if replay is None else [(s, replay[s]) for s in range(gap.first_missing, gap.next_seq)]
             feeder.fill_gap(gap, replayed, batch, now)
+
+
+@contextmanager
+def _rare_collections() -> Iterator[None]:
+    """A run allocates millions of small objects (blocks, events, outputs, records) beside a heap of millions of
+    long-lived ones (the engines' pools, the index): CPython's collector, run every 700 allocations and now and
+    then over that whole heap, took a sixth of a 64-worker trace run. Freeze what exists before the run and
+    collect the young rarely; reference cycles are still collected, only later."""
+    threshold, frozen_by_caller = gc.get_threshold(), gc.get_freeze_count()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        if not frozen_by_caller:  # a caller's own freeze stays (ours then stays with it: unfreeze is all or none)
+            gc.unfreeze()
 
 
 def pooled(results: Sequence[SimResult]) -> SimResult:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -43,25 +42,33 @@ class SimRequest:
 
 def tokens_for_block(block_id: int, n: int = TRACE_BLOCK, salt: int = 0) -> np.ndarray:
     """``n`` pseudo-random token ids determined by ``block_id`` alone (splitmix-style mixing)."""
-    seed = np.uint64(((block_id * 2 + 1 + salt * 0x1000003) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
-    x = seed ^ (np.arange(n, dtype=np.uint64) * _M2)
+    return tokens_for_blocks([block_id], n, salt)[0]
+
+
+_LANES: dict[int, np.ndarray] = {}  # n -> arange(n) * _M2, the per-position half of the mix
+
+
+def tokens_for_blocks(block_ids: list[int], n: int = TRACE_BLOCK, salt: int = 0) -> np.ndarray:
+    """``tokens_for_block`` of every id at once: a ``(len(block_ids), n)`` array, one numpy pass for a whole
+    prompt (a trace row's 20-odd blocks cost what one did)."""
+    lanes = _LANES.get(n)
+    if lanes is None:
+        lanes = _LANES[n] = np.arange(n, dtype=np.uint64) * _M2
+    ids = np.array(block_ids, dtype=np.int64).astype(np.uint64)  # two's complement: -1 is 2**64 - 1, as & mask
+    seeds = (ids * np.uint64(2) + np.uint64(1 + salt * 0x1000003)) * np.uint64(0x9E3779B97F4A7C15)
+    x = seeds[:, None] ^ lanes[None, :]
     x ^= x >> np.uint64(31)
     x *= _M2
     x ^= x >> np.uint64(29)
     return (x % np.uint64(VOCAB)).astype(np.uint32)
 
 
-@lru_cache(maxsize=65536)  # 128 MiB at most; the trace reuses ids heavily
-def _trace_block(block_id: int) -> np.ndarray:
-    toks = tokens_for_block(block_id)
-    toks.flags.writeable = False  # shared between requests through the cache
-    return toks
-
-
 def tokens_for_hash_ids(hash_ids: list[int], length: int) -> np.ndarray:
+    """A trace row's prompt: each hash id's 512 tokens, cut to ``length`` (padded deterministically past its
+    blocks)."""
     if not hash_ids:
         return tokens_for_block(-1, length)
-    toks = np.concatenate([_trace_block(h) for h in hash_ids])
+    toks = tokens_for_blocks(hash_ids).ravel()
     if len(toks) < length:  # a trace row whose length runs past its blocks: pad deterministically
         toks = np.concatenate([toks, tokens_for_block(hash_ids[-1], length - len(toks), salt=7)])
     return toks[:length]

@@ -156,3 +156,25 @@ def test_disagg_a_request_whose_kv_was_sent_is_admitted_with_its_blocks_received
     dec.add_request(again)
     dec.step(1.0)
     assert again.num_cached_tokens == 160 and again.external_tokens == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), steps=st.integers(0, 40), cpu_blocks=st.sampled_from([0, 16]))
+def test_the_simulators_scrape_reads_what_the_routers_parser_reads_from_the_metrics_text(seed, steps, cpu_blocks):
+    """The simulator hands each engine's metrics to the core without the text; they must be the very values the
+    router's parser reads from the ``/metrics`` text the simulated worker serves, at any engine state."""
+    from router.load import parse_engine_metrics
+    from workers.engine.metrics import engine_metrics_text, engine_scrape
+
+    rng = random.Random(seed)
+    engine = EngineModel(EngineConfig(num_gpu_blocks=48, block_size=8, cpu_blocks=cpu_blocks))
+    shared = [rng.randrange(32000) for _ in range(40)]
+    t = 0.0
+    for i in range(rng.randint(1, 12)):
+        prompt = shared[: rng.randint(1, 40)] + [rng.randrange(32000) for _ in range(rng.randint(1, 60))]
+        engine.add_request(EngineRequest(f"r{i}", prompt, rng.randint(1, 30)))
+    for _ in range(steps):
+        if not engine.has_work:
+            break
+        t += engine.step(t).duration_s
+    assert engine_scrape(engine, t) == parse_engine_metrics(engine_metrics_text(engine), t)

@@ -458,3 +458,20 @@ def test_metrics_parse_vllm_and_sglang_and_go_stale():
     assert d.candidates[0].queue_s > 0  # fresh: 3 waiting count
     d = core.decide(request(list(range(64))), now=30.0)
     assert d.candidates[0].queue_s == 0  # stale metrics are unknown, not a queue
+
+
+def test_a_fits_window_keeps_the_last_samples_oldest_first_and_its_medians_are_numpys():
+    """RobustLine keeps its samples in a ring and takes medians by partition: the samples read back in arrival
+    order (the sums of the fit run over them in that order), the medians are np.median's to the last bit."""
+    from router.scheduling.engine_profile import RobustLine, _median
+
+    line = RobustLine(window=5, refit_every=100)
+    for i in range(1, 13):
+        line.add(float(i), 2.0 * i)
+        line.add(-1.0, 1.0)  # refused: not a sample
+        assert len(line) == min(i, 5)
+        assert line.samples[:, 0].tolist() == [float(j) for j in range(max(1, i - 4), i + 1)]
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 8, 255, 256):
+        a = rng.lognormal(size=n)
+        assert _median(a) == float(np.median(a))

@@ -1,5 +1,6 @@
 """The trace-replay simulator: conservation, determinism, the independent bound, CLI output."""
 
+import gc
 import json
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from sim.workload import (
     multi_turn,
     shared_prefix,
     tokens_for_block,
+    tokens_for_blocks,
     tokens_for_hash_ids,
 )
 from tests.conftest import TRACE, need_shared
@@ -69,6 +71,43 @@ def test_bound_is_computed_from_the_trace_alone(tmp_path):
     assert np.array_equal(reqs[1].tokens[:1024], reqs[0].tokens)
     assert not np.array_equal(reqs[2].tokens[512:600], reqs[0].tokens[512:600])
     assert np.array_equal(tokens_for_hash_ids([1, 2], 700), tokens_for_hash_ids([1, 2, 3], 1200)[:700])
+
+
+def _splitmix_tokens(block_id: int, n: int, salt: int = 0) -> list[int]:
+    """The trace's token synthesis in Python integers, one token at a time: what the numpy passes must give."""
+    mask, m2 = (1 << 64) - 1, 0xBF58476D1CE4E5B9
+    seed = ((block_id * 2 + 1 + salt * 0x1000003) * 0x9E3779B97F4A7C15) & mask
+    out = []
+    for i in range(n):
+        x = seed ^ (i * m2 & mask)
+        x ^= x >> 31
+        x = x * m2 & mask
+        x ^= x >> 29
+        out.append(x % 32000)
+    return out
+
+
+def test_a_prompts_tokens_made_in_one_pass_are_each_blocks_own():
+    ids = [0, 7, -1, 100_000_003, 2**40]
+    rows = tokens_for_blocks(ids)
+    assert rows.shape == (5, 512) and rows.dtype == np.uint32
+    for block_id, row in zip(ids, rows, strict=True):
+        assert row.tolist() == _splitmix_tokens(block_id, 512)
+        assert np.array_equal(tokens_for_block(block_id), row)
+    assert tokens_for_block(3, 40, salt=7).tolist() == _splitmix_tokens(3, 40, salt=7)
+    # a row longer than its blocks: the blocks, then the last id's salted padding
+    toks = tokens_for_hash_ids([5, 6], 1100)
+    assert toks.tolist() == _splitmix_tokens(5, 512) + _splitmix_tokens(6, 512) + _splitmix_tokens(6, 76, salt=7)
+
+
+def test_a_run_leaves_the_garbage_collector_as_it_found_it():
+    """The run collects rarely and freezes the heap it starts with: afterwards, the thresholds and the frozen
+    generation are the process's own again (the suite runs many simulations in one process)."""
+    before = gc.get_threshold(), gc.get_freeze_count()
+    reqs = [SimRequest(f"r{i}", i * 0.1, tokens_for_block(i, 64), 4) for i in range(20)]
+    result = Simulation(reqs, SimConfig(workers=2, policy="precise", engine=SMALL)).run()
+    assert summarise(result)["completed"] == 20
+    assert (gc.get_threshold(), gc.get_freeze_count()) == before
 
 
 def test_the_real_trace_bound_matches_the_published_figure():

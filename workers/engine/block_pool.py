@@ -181,7 +181,9 @@ class BlockPool:
         return bids
 
     def _stored_event(self, contents: Sequence[CachedBlock], medium: str) -> BlockStored:
-        tokens = array("I", b"".join(c.tokens for c in contents))  # list-like; the codec sends it as a list
+        tokens = array("I")  # list-like; the codec sends it as a list
+        for c in contents:  # one copy, block by block (a join, then an array of it, copied twice)
+            tokens.frombytes(c.tokens)
         extras = [list(c.extra) if c.extra else None for c in contents]
         return BlockStored(
             [c.hash for c in contents], contents[0].parent, tokens, self.block_size, None, medium,

@@ -99,12 +99,16 @@ class EngineRequest:
         return (self._seed + 2654435761 * (len(self.output) + 1)) % vocab
 
     def next_tokens(self, k: int, vocab: int) -> list[int]:
-        """The next ``k`` tokens ``next_token`` would give, one after another."""
+        """The next ``k`` tokens ``next_token`` would give, one after another (a long decode run's in one numpy
+        pass: the same residues, taken term by term modulo ``vocab``)."""
         m, seed = len(self.output), self._seed
-        return [(seed + 2654435761 * j) % vocab for j in range(m + 1, m + k + 1)]
+        if k < 32:
+            return [(seed + 2654435761 * j) % vocab for j in range(m + 1, m + k + 1)]
+        j = np.arange(m + 1, m + k + 1, dtype=np.int64) % vocab
+        return ((seed % vocab + (2654435761 % vocab) * j) % vocab).tolist()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made per running request per step, and frozen ones build slowly
 class TokenOutput:
     request: EngineRequest
     token: int
@@ -292,28 +296,34 @@ class EngineModel:
         budget = c.max_num_batched_tokens
         scheduled: list[tuple[EngineRequest, int]] = []
         prefill_tokens = decode_reqs = load_back = 0
-        for req in list(self.running):
+        bs, running_status = c.block_size, Status.RUNNING
+        schedule = scheduled.append
+        for req in list(self.running):  # a copy: _grow may preempt
             if budget <= 0:
                 break
-            if req.status is not Status.RUNNING:
+            if req.status is not running_status:
                 continue  # preempted earlier in this loop
-            n = min(req.prompt_len + len(req.output) - req.num_computed, budget)  # num_tokens, inlined: hot
+            computed = req.num_computed
+            n = min(req.prompt_len + len(req.output) - computed, budget)  # num_tokens, inlined: hot
             if n <= 0:
                 continue
-            if req.num_computed + n > len(req.block_ids) * c.block_size and not self._grow(req, n):
+            if computed + n > len(req.block_ids) * bs and not self._grow(req, n):
                 continue
-            scheduled.append((req, n))
+            schedule((req, n))
             budget -= n
+            if n == 1 and req.output:
+                decode_reqs += 1
+            else:
+                prefill_tokens += n
         while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
             req = self.waiting[0]
             n, loaded = self._admit(req, budget)
             if n == 0:
                 break
             self.waiting.popleft()
-            scheduled.append((req, n))
+            schedule((req, n))
             load_back += loaded
             budget -= n
-        for req, n in scheduled:
             if n == 1 and req.output:
                 decode_reqs += 1
             else:
@@ -332,11 +342,16 @@ class EngineModel:
     def _decode_run_length(self, now: float, until: float, step_s: float) -> int:
         if step_s <= 0:
             return 1
-        k = min(min(r.max_tokens - len(r.output) for r in self.running), int(min((until - now) / step_s, 1e9)))
+        k = int(min((until - now) / step_s, 1e9))
+        for r in self.running:
+            left = r.max_tokens - len(r.output)
+            if left < k:
+                k = left
         if k <= 1:
             return 1
         # blocks for k tokens each (the first step's are already allocated by _grow)
-        need = sum(self._blocks_for(r.num_computed + k) - len(r.block_ids) for r in self.running)
+        bs = self.config.block_size
+        need = sum(-(-(r.num_computed + k) // bs) - len(r.block_ids) for r in self.running)
         return k if need <= self.pool.num_free else 1
 
     def _decode_run(self, k: int, step_s: float, now: float) -> StepResult:
@@ -373,25 +388,27 @@ class EngineModel:
         bs = self.config.block_size
         vocab = self.config.vocab_size
         outputs: list[TokenOutput] = []
+        add = outputs.append
         generated = 0
         for req, n in scheduled:
             before_full = req.num_computed // bs
-            req.num_computed += n
-            after_full = req.num_computed // bs
+            computed = req.num_computed = req.num_computed + n
+            after_full = computed // bs
             if after_full > before_full:
                 self.pool.cache_full_blocks(req.block_ids[before_full:after_full],
                                             self._contents(req, before_full, after_full))
-            if req.num_computed < req.prompt_len + len(req.output):
+            out = req.output
+            if computed < req.prompt_len + len(out):
                 continue  # chunked prefill: more to do
-            token = req.next_token(vocab)
-            req.output.append(token)
+            token = (req._seed + 2654435761 * (len(out) + 1)) % vocab  # next_token, inlined: once per token
+            out.append(token)
             generated += 1
             first = req.first_token_at is None
             if first:
                 req.first_token_at = end
-            done = len(req.output) >= req.max_tokens
+            done = len(out) >= req.max_tokens
             if done:
                 self._finish(req, end)
-            outputs.append(TokenOutput(req, token, first, done))
+            add(TokenOutput(req, token, first, done))
         self.stats.generation_tokens += generated
         return outputs

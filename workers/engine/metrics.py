@@ -1,5 +1,11 @@
 """The engine model's state under vLLM's Prometheus metric names: what the simulated worker serves on
-``/metrics`` and what the simulator scrapes, so both feed the router's metric parser the same text."""
+``/metrics``, and the same reading as the router's ``EngineMetrics`` for the simulator.
+
+The simulator scrapes 64 engines every virtual second; formatting and parsing Prometheus text for each was a
+fifth of its time. ``engine_scrape`` hands over what ``parse_engine_metrics(engine_metrics_text(engine))``
+reads, without the text (tests/test_engine_model.py holds the two equal); the live router still parses the
+simulated worker's text.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from router.load import EngineMetrics
 from workers.engine.engine import EngineModel
 
 
@@ -55,3 +62,11 @@ def engine_metrics_text(engine: EngineModel, model: str = "sim-model", rank: int
     registry = CollectorRegistry()
     registry.register(_EngineCollector(engine, model, rank))  # type: ignore[arg-type]
     return generate_latest(registry).decode()
+
+
+def engine_scrape(engine: EngineModel, scraped_at: float) -> EngineMetrics:
+    """What the router's parser reads from ``engine_metrics_text(engine)``, at ``scraped_at``: the gauges, the
+    cache capacity of ``vllm:cache_config_info`` and the work counters (prompt + generation tokens)."""
+    c, st = engine.config, engine.stats
+    return EngineMetrics(float(engine.num_waiting), float(engine.num_running), engine.kv_usage, scraped_at,
+                         c.num_gpu_blocks * c.block_size or None, float(st.prompt_tokens + st.generation_tokens))
