@@ -169,3 +169,33 @@ def test_custom_resources_have_the_fields_their_apis_require():
     for rule in role["rules"]:
         assert set(rule["verbs"]) <= {"get", "list", "watch"}
     assert {r for rule in role["rules"] for r in rule["resources"]} == {"pods", "inferencepools"}
+
+
+def test_the_relay_sidecar_patch_makes_a_valid_engine_pod_whose_relay_names_the_worker_as_discovery_does(tmp_path):
+    """deploy/patches/vllm-relay-sidecar.yaml merged into deploy/vllm.yaml's Deployment (a strategic merge adds
+    the container) validates, and the relay's own parser reads its arguments: the worker id is the pod name
+    (what InferencePool discovery calls the worker), the engine's sockets the ones vLLM binds."""
+    from router.events.relay import parse_relay_worker
+
+    from router.cli import build_parser
+
+    engine = next(d for n, d in manifests() if n == "vllm.yaml" and d["kind"] == "Deployment")
+    patch = yaml.safe_load((ROOT / "deploy" / "patches" / "vllm-relay-sidecar.yaml").read_text())
+    (relay,) = patch["spec"]["template"]["spec"]["containers"]
+    engine["spec"]["template"]["spec"]["containers"].append(relay)
+    kubernetes_validate(tmp_path, [("vllm-with-relay.yaml", engine)])
+
+    env = {e["name"]: e for e in relay["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    args = [a.replace("$(POD_NAME)", "vllm-llama-7d9f-abcde") for a in relay["args"]]
+    parsed = build_parser().parse_args(args)
+    (source,) = [parse_relay_worker(w) for w in parsed.worker]
+    assert source.worker_id == "vllm-llama-7d9f-abcde"
+    vllm_args = engine["spec"]["template"]["spec"]["containers"][0]["args"]
+    events = json.loads(next(a for a in vllm_args if a.startswith("--kv-events-config=")).split("=", 1)[1])
+    assert source.endpoint == events["endpoint"].replace("*", "127.0.0.1")
+    assert source.replay_endpoint == events["replay_endpoint"].replace("*", "127.0.0.1")
+    block = next(a for a in vllm_args if a.startswith("--block-size="))
+    assert parsed.block_size == int(block.split("=")[1])
+    bus = next(d for n, d in manifests() if n == "event-bus.yaml" and d["kind"] == "Service")
+    assert parsed.bus == f"nats://{bus['metadata']['name']}.{bus['metadata']['namespace']}.svc:4222"
