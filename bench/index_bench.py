@@ -37,8 +37,9 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def make_batches(n_batches: int, events_per_batch: int = 4, blocks_per_event: int = 16,
-                 seed: int = 1) -> tuple[list[bytes], int]:
-    """Encoded payloads and the number of block events they carry."""
+                 seed: int = 1, capacity: int = 4096) -> tuple[list[bytes], int]:
+    """Encoded payloads and the number of block events they carry; past ``capacity`` live blocks each batch
+    evicts the oldest ones."""
     rng = random.Random(seed)
     payloads: list[bytes] = []
     block_events = 0
@@ -55,7 +56,7 @@ def make_batches(n_batches: int, events_per_batch: int = 4, blocks_per_event: in
                                       [None] * blocks_per_event, 0, "full_attention"))
             live.extend(hashes)
             block_events += blocks_per_event
-        if len(live) > 4096:  # steady state: evict as much as is stored
+        if len(live) > capacity:  # steady state: evict as much as is stored
             gone, live = live[: blocks_per_event * 2], live[blocks_per_event * 2 :]
             events.append(BlockRemoved(gone, "GPU", 0))
             block_events += len(gone)

@@ -118,7 +118,8 @@ def _load_router_config(args: argparse.Namespace, extra: dict) -> object:
     overrides = {
         "routing.policy": args.policy, "routing.block_size": args.block_size,
         "routing.stale_after_s": args.stale_after, "routing.max_inflight_requests": args.max_inflight,
-        "workers_file": args.workers_file, "events_bind": args.events_bind, "tokenizer": args.tokenizer,
+        "workers_file": args.workers_file, "events_bind": args.events_bind,
+        "events_bus": args.events_bus, "tokenizer": args.tokenizer,
         "tenant_header": args.tenant_header, "tenant_missing": args.tenant_missing,
         "max_model_len": args.max_model_len, "max_body_bytes": args.max_body_bytes,
         "kubernetes.pool": args.inference_pool,
@@ -185,6 +186,8 @@ def _routing_options(p: argparse.ArgumentParser) -> None:
                    help="a worker (repeatable); events/replay: its KV-event PUB and replay endpoints")
     p.add_argument("--workers-file", help="YAML/JSON list of workers, watched: edits add/remove workers live")
     p.add_argument("--events-bind", help="bind one SUB socket engines connect to (topic names the worker)")
+    p.add_argument("--events-bus", metavar="nats://HOST:4222", help="take KV events from kvrouter relay on this "
+                   "NATS JetStream instead of dialling the engines (docs/event-bus.md)")
     p.add_argument("--inference-pool", action=_OneValue,
                    help="discover workers as this InferencePool's pods (Kubernetes API)")
     p.add_argument("--namespace", action=_OneValue, help="namespace of the InferencePool (default: default)")
@@ -217,6 +220,26 @@ def _serve(args: argparse.Namespace) -> int:
     return _run_router(args, "serve", {
         "listen.host": args.host, "listen.port": args.port, "admin.host": args.admin_host,
         "admin.port": args.admin_port}, run_proxy)
+
+
+def _relay(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from router.events.relay import Relay, Retention, parse_relay_worker, run_relay
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sources = [parse_relay_worker(w) for w in args.worker]
+    except ValueError as e:
+        print(f"kvrouter relay: {e}", file=sys.stderr)
+        return 2
+    retention = Retention(args.retention_age, args.retention_bytes, max_consumers=args.max_consumers)
+    relay = Relay(args.bus, sources, block_size=args.block_size, snapshot_interval_s=args.snapshot_interval,
+                  retention=retention, outbox_limit=args.outbox)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run_relay(relay))
+    return 0
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -326,6 +349,22 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--cert-path", type=_cert_path, help="not supported (no TLS)")
     ep.set_defaults(handler=_epp)
 
+    rl = sub.add_parser("relay", help="publish engines' KV events on NATS JetStream for router replicas "
+                        "(docs/event-bus.md)")
+    rl.add_argument("--bus", required=True, metavar="nats://HOST:4222", help="the NATS JetStream server")
+    rl.add_argument("--worker", action="append", required=True, metavar="ID,events=E[,replay=R][,topic=T]",
+                    help="an engine to relay (repeatable); ID as the routers name the worker (or their --worker spec)")
+    rl.add_argument("--block-size", type=int, default=16, help="the routers' routing.block_size (default 16)")
+    rl.add_argument("--retention-age", type=float, default=3600.0, help="seconds the bus keeps records (3600)")
+    rl.add_argument("--retention-bytes", type=int, default=1 << 30, help="bytes the bus keeps (1 GiB)")
+    rl.add_argument("--max-consumers", type=int, default=65_536, help="the stream's consumer limit: each router "
+                    "replica holds one per worker (65536; nats-server's own default is 1000)")
+    rl.add_argument("--snapshot-interval", type=float, default=30.0, help="seconds between index snapshots (30)")
+    rl.add_argument("--outbox", type=int, default=10_000, help="records held per worker while the bus is down; "
+                    "beyond that they are dropped and the worker is unsynced (10000)")
+    rl.add_argument("--log-level", default="info", type=str.lower, help="debug, info (default), warning, error")
+    rl.set_defaults(handler=_relay)
+
     ec = sub.add_parser("envoy-config", help="print an Envoy bootstrap that uses kvrouter epp (docs/envoy.md)")
     ec.add_argument("--listen-port", type=int, default=8080)
     ec.add_argument("--admin-port", type=int, default=9901)
@@ -377,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
         "epp": "Envoy vs Envoy + kvrouter epp: added latency, req/s, CPU per pick",
         "quality": "live proxy routing quality over several workload seeds: precise vs round_robin, approx, smg",
         "soak": "the proxy for minutes under mixed load, bad input and worker kills: RSS, /health, 5xx; PASS/FAIL",
+        "bus": "synthetic engine streams through relays and NATS JetStream into 2 replicas: block-events/s, exact",
     }
     for name, help_text in benches.items():
         bp = bsub.add_parser(name, help=help_text)
@@ -395,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
                             help="instead: build this many resident blocks once and measure (e.g. 20000000)")
             bp.add_argument("--workers", type=int, default=None, help="with --blocks: over this many (1000)")
             bp.add_argument("--layout", choices=["compact", "dicts"], default=None, help="with --blocks (compact)")
+        if name == "bus":
+            bp.add_argument("--streams", type=int, default=None, help="engine streams (default 1000; 20 with --quick)")
         if name == "soak":
             bp.add_argument("--duration", type=float, default=None,
                             help="seconds of load (default 600; 60 with --quick)")

@@ -77,6 +77,7 @@ class RouterConfig:
     workers: list[WorkerSpec] = field(default_factory=list)
     workers_file: str | None = None
     events_bind: str | None = None  # bind one SUB socket that engines connect to (topic names the worker)
+    events_bus: str | None = None  # nats://...: KV events from relays on NATS JetStream (docs/event-bus.md)
     tokenizer: str = str(DEFAULT_TOKENIZER_DIR)
     tokenizers: dict[str, str] = field(default_factory=dict)  # model -> tokenizer dir/file
     tenant_header: str | None = None  # when set, its value is the cache_salt (trusted gateway header)
@@ -321,6 +322,10 @@ def _finish(data: dict[str, Any], where: str) -> RouterConfig:
         raise ConfigError("max_attempts must be at least 1")
     if cfg.tenant_missing not in ("reject", "no_salt"):
         raise ConfigError(f"tenant_missing: expected reject or no_salt, got {cfg.tenant_missing!r}")
+    if cfg.events_bus is not None and cfg.events_bind is not None:
+        raise ConfigError("events_bus and events_bind exclude each other: on the bus the relays read the engines")
+    if cfg.events_bus is not None and not cfg.events_bus.startswith(("nats://", "tls://", "ws://", "wss://")):
+        raise ConfigError(f"events_bus: expected a nats:// URL, got {cfg.events_bus!r}")
     if cfg.max_model_len is not None and cfg.max_model_len < 1:
         raise ConfigError("max_model_len must be at least 1")
     if cfg.processes < 1:

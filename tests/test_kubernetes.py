@@ -175,9 +175,8 @@ def test_the_relay_sidecar_patch_makes_a_valid_engine_pod_whose_relay_names_the_
     """deploy/patches/vllm-relay-sidecar.yaml merged into deploy/vllm.yaml's Deployment (a strategic merge adds
     the container) validates, and the relay's own parser reads its arguments: the worker id is the pod name
     (what InferencePool discovery calls the worker), the engine's sockets the ones vLLM binds."""
-    from router.events.relay import parse_relay_worker
-
     from router.cli import build_parser
+    from router.events.relay import parse_relay_worker
 
     engine = next(d for n, d in manifests() if n == "vllm.yaml" and d["kind"] == "Deployment")
     patch = yaml.safe_load((ROOT / "deploy" / "patches" / "vllm-relay-sidecar.yaml").read_text())

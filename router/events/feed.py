@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from router.events.codec import (
     AllBlocksCleared,
@@ -28,7 +28,7 @@ from router.events.codec import (
     medium_of,
 )
 from router.events.rechunk import DEFAULT_MAX_PAGES, Rechunker, can_rechunk
-from router.index import KvIndex, Medium
+from router.index import BlockEntry, KvIndex, Medium
 from router.keys import ROOT_KEY, chain_keys, request_extras
 
 T = TypeVar("T")
@@ -75,6 +75,8 @@ class WorkerFeed:
     suspect_since: float | None = None  # the worker failed to answer: no credit until a batch proves its state
     bootstrap_ts: dict[int, float] = field(default_factory=dict)  # seq -> batch time, of the connect-time replay
     rechunk: Rechunker | None = None  # pages smaller than the router's block (SGLang: 1 token), re-chunked
+    applying: bool = False  # a batch is half applied (between slices): no snapshot of this worker now
+    relay_trusted: bool = True  # fed from a relay (event bus): its synced flag holds unless we missed messages
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,20 @@ class WorkerStatus:
     last_event_age_s: float | None
     last_seq: int | None
     blocks: dict[Medium, int]
+
+
+class FeedJournal(Protocol):
+    """Told every change the feed makes to a worker's index, in order, once it is whole: what a relay
+    publishes on the event bus so that a consumer applying the same records reproduces this index exactly."""
+
+    def applied(self, worker_id: str, seq: int, batch: EventBatch, synced: bool) -> None:
+        """A batch was applied (whatever its seq: the feed's order rules already ran)."""
+
+    def reset(self, worker_id: str) -> None:
+        """The worker's entries were cleared because the engine restarted (its seq went back)."""
+
+    def desynced(self, worker_id: str) -> None:
+        """The worker's entries were cleared and it is unsynced (a gap no replay could fill)."""
 
 
 class IndexFeeder:
@@ -100,6 +116,7 @@ class IndexFeeder:
         self.feeds: dict[str, WorkerFeed] = {}
         # told the keys each GPU removal evicts (the routing objective's reuse statistics), when set
         self.on_gpu_evicted: Callable[[list[int]], None] | None = None
+        self.journal: FeedJournal | None = None  # a relay's publisher, when set
         self._work = 0  # blocks (and events) applied since the last step ended
 
     def feed(self, worker_id: str) -> WorkerFeed:
@@ -156,14 +173,13 @@ class IndexFeeder:
         if exact is not None:
             batches, superseded = exact
             f.superseded_batches += superseded
+            if gap.first_missing == 0:
+                f.synced = True  # replayed from the engine's first batch, or from a reset: exact either way
             for seq, batch in batches:
                 yield from self._apply(f, seq, batch, now)
             f.gaps_filled += 1
-            if gap.first_missing == 0:
-                f.synced = True  # replayed from the engine's first batch, or from a reset: exact either way
         else:  # a partial range is no better than nothing: whatever it did, the clear below undoes
-            self._clear(f)
-            self._mark_unsynced(f, now)
+            self._desync(f, now)
         yield from self._apply(f, gap.next_seq, held, now)
         return filled
 
@@ -181,9 +197,9 @@ class IndexFeeder:
         f = self.feed(worker_id)
         batches, superseded = exact
         f.superseded_batches += superseded
+        f.synced = True  # decided before applying, so that each journalled batch says so
         for seq, batch in batches:
             yield from self._apply(f, seq, batch, now)
-        f.synced = True
         f.bootstrap_ts = {seq: b.ts for seq, b in by_seq.items()}
         return True
 
@@ -191,6 +207,57 @@ class IndexFeeder:
         self._clear(f)
         f.resets += 1
         f.last_seq = None
+        if self.journal is not None:
+            self.journal.reset(f.worker_id)
+
+    def _desync(self, f: WorkerFeed, now: float) -> None:
+        self._clear(f)
+        self._mark_unsynced(f, now)
+        if self.journal is not None:
+            self.journal.desynced(f.worker_id)
+
+    def desync(self, worker_id: str, now: float) -> None:
+        """Clear a worker and mark it unsynced from outside the sequence rules: a relay that had to drop
+        records (the bus was down too long), a consumer that missed some (retention, a relay's drops)."""
+        f = self.feed(worker_id)
+        f.relay_trusted = False
+        self._desync(f, now)
+
+    # ---- fed from a relay (the event bus) ----------------------------------------------------
+    def restore(self, worker_id: str, entries: Iterable[BlockEntry], last_seq: int | None, synced: bool,
+                now: float) -> None:
+        """Start a worker from a relay's index snapshot: its entries as ``KvIndex.export_worker`` gave
+        them and the feed state they are exact at; what the relay published after it follows."""
+        f = self.feed(worker_id)
+        self._clear(f)
+        self.index.import_worker(worker_id, entries)
+        f.last_seq, f.synced, f.relay_trusted = last_seq, synced, True
+        f.unsynced_since = None if synced else now
+        f.last_event_at, f.suspect_since, f.bootstrap_ts = now, None, {}
+
+    def apply_relayed_steps(self, worker_id: str, seq: int, batch: EventBatch, synced: bool,
+                            now: float) -> Steps[None]:
+        """Apply a batch a relay applied (its feed already ran the order rules), taking the relay's synced
+        flag, unless this consumer itself missed records: then its own resync rule decides."""
+        f = self.feed(worker_id)
+        yield from self._apply(f, seq, batch, now)
+        if f.relay_trusted:
+            f.synced = synced
+        elif f.synced:
+            f.relay_trusted = True  # resynced on our own (a clear, or fresh events for resync_after_s)
+
+    def desync_relayed(self, worker_id: str, now: float) -> None:
+        """A relay's unsynced record: it cleared the worker (a gap its replay could not fill); its synced
+        flag on the following batches says when it is exact again."""
+        f = self.feed(worker_id)
+        self._desync(f, now)
+        f.relay_trusted = True
+
+    def reset_relayed(self, worker_id: str) -> None:
+        """A relay's reset record: the engine (or the relay) restarted; what follows rebuilds the worker."""
+        f = self.feed(worker_id)
+        self._reset(f)
+        f.relay_trusted = True
 
     def _clear(self, f: WorkerFeed) -> None:
         """Forget a worker's blocks, and the pages being re-chunked with them (their index entries go too)."""
@@ -224,6 +291,17 @@ class IndexFeeder:
         f.last_event_at = now
         f.batches += 1
         f.suspect_since = None
+        f.applying = True
+        try:
+            yield from self._apply_events(f, batch)
+        finally:
+            f.applying = False
+        if not f.synced and f.unsynced_since is not None and now - f.unsynced_since >= self.resync_after_s:
+            f.synced = True
+        if self.journal is not None:
+            self.journal.applied(f.worker_id, seq, batch, f.synced)
+
+    def _apply_events(self, f: WorkerFeed, batch: EventBatch) -> Steps[None]:
         for event in batch.events:
             kind = type(event).__name__
             try:
@@ -250,8 +328,6 @@ class IndexFeeder:
                 f.malformed += 1  # (RecursionError: extra keys nested past what hashing them can walk)
                 continue
             f.events[kind] += 1
-        if not f.synced and f.unsynced_since is not None and now - f.unsynced_since >= self.resync_after_s:
-            f.synced = True
 
     def _stored(self, f: WorkerFeed, ev: BlockStored) -> None:
         n = len(ev.block_hashes)

@@ -35,6 +35,7 @@ from router.events.feed import IndexFeeder, Steps, T
 log = logging.getLogger(__name__)
 
 Identity = Callable[[str, int | None], str]
+MAX_SOCKETS = 16384
 
 
 def default_identity(topic: str, dp_rank: int | None) -> str:
@@ -112,6 +113,10 @@ class KvEventSubscriber:
         self.replay_timeout_s = replay_timeout_s
         self.rcvhwm = rcvhwm
         self.ctx = ctx or zmq.asyncio.Context.instance()
+        if ctx is None and self.ctx.get(zmq.MAX_SOCKETS) < MAX_SOCKETS:
+            # libzmq's default (1023) is passed at about 500 engines (a SUB each, a DEALER per replay); the
+            # setting counts only until the context's first socket, as here in a router or relay process
+            self.ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
         self.unattributed_malformed = 0  # bind mode: frames too broken to name their worker
         self.messages = 0
         self._tasks: dict[str, asyncio.Task[None]] = {}

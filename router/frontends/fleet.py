@@ -17,6 +17,7 @@ import aiohttp
 
 from router.config import RouterConfig
 from router.discovery import DiscoveryError, WorkerSpec, load_workers_file
+from router.events.bus import BusSubscriber
 from router.events.subscriber import EventSource, KvEventSubscriber
 from router.frontends.diagnosis import Diagnosis, ProblemLog, diagnose_fleet, engine_block_size
 from router.load import parse_engine_metrics
@@ -32,7 +33,7 @@ DEFAULT_MAX_MODEL_LEN = 1 << 20
 def fleet_from_config(core: RoutingCore, config: RouterConfig) -> Fleet:
     k8s = config.kubernetes
     fleet = Fleet(core, probe_interval_s=config.probe_interval_s, events_bind=config.events_bind,
-                  workers_file=config.workers_file, max_model_len=config.max_model_len,
+                  events_bus=config.events_bus, workers_file=config.workers_file, max_model_len=config.max_model_len,
                   kubernetes=(k8s.namespace, k8s.pool, k8s.events_by_default, k8s.kubeconfig) if k8s.pool else None)
     for spec in config.workers:
         fleet.add(spec)
@@ -48,13 +49,15 @@ class Fleet:
         probe_timeout_s: float = 1.0,
         unhealthy_after: int = 2,
         events_bind: str | None = None,
+        events_bus: str | None = None,
         workers_file: str | None = None,
         file_poll_s: float = 1.0,
         kubernetes: tuple[str, str, bool, str | None] | None = None,
         max_model_len: int | None = None,
     ) -> None:
         """``kubernetes``: (namespace, InferencePool, events on :5557 by default, kubeconfig or None) to watch.
-        ``max_model_len``: the prompt budget, overriding what the workers report."""
+        ``max_model_len``: the prompt budget, overriding what the workers report. ``events_bus``: a nats://
+        URL: every worker's KV events come from its relay on the bus (router/events/bus.py), none dialled."""
         self.core = core
         self.clock = time.monotonic
         self.probe_interval_s = probe_interval_s
@@ -66,7 +69,12 @@ class Fleet:
         self.failures: dict[str, int] = {}
         self.max_model_len_override = max_model_len
         self.context_lens: dict[str, int] = {}  # worker -> the largest max_model_len its /v1/models reports
-        self.subscriber = KvEventSubscriber(core.feeder, bind=events_bind, clock=self.clock)
+        self.events_bus = events_bus
+        self.subscriber: KvEventSubscriber | BusSubscriber
+        if events_bus is not None:
+            self.subscriber = BusSubscriber(core.feeder, events_bus, clock=self.clock)
+        else:
+            self.subscriber = KvEventSubscriber(core.feeder, bind=events_bind, clock=self.clock)
         self.engine_block_sizes: dict[str, int] = {}  # worker -> block_size of its vllm:cache_config_info
         self.problem_log = ProblemLog()  # each worker's problem, logged once per change (rate-limited)
         self._tasks: list[asyncio.Task[None]] = []
@@ -97,9 +105,12 @@ class Fleet:
         self.core.upsert_endpoint(Endpoint(
             spec.worker_id, spec.address, spec.models, spec.loras,
             healthy=prev.healthy if prev else True, draining=prev.draining if prev else False,
-            url=spec.url, events=bool(spec.events) or self.subscriber.bind is not None, role=spec.role,
+            url=spec.url, events=bool(spec.events) or self.subscriber.bind is not None or self.events_bus is not None,
+            role=spec.role,
         ))
-        if spec.events:
+        if self.events_bus is not None:  # its relay reads the engine; we follow the worker's subject
+            self.subscriber.add_source(EventSource(spec.worker_id, spec.events or "", spec.replay, spec.topic))
+        elif spec.events:
             self.subscriber.add_source(EventSource(spec.worker_id, spec.events, spec.replay, spec.topic))
         elif spec.replay:
             self.subscriber.replay_endpoints[spec.worker_id] = spec.replay

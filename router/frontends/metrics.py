@@ -79,6 +79,7 @@ class _FleetState:
                                 value=len(core.index))
         yield GaugeMetricFamily("kvrouter_workers_without_prefix_credit",
                                 "Workers routed on load only (unsynced, stale or without events).", value=stale)
+        yield from getattr(self.fleet.subscriber, "metric_families", tuple)()  # the event bus's, when on one
 
 
 class RouterMetrics:
