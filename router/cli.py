@@ -417,14 +417,16 @@ def build_parser() -> argparse.ArgumentParser:
         "quality": "live proxy routing quality over several workload seeds: precise vs round_robin, approx, smg",
         "soak": "the proxy for minutes under mixed load, bad input and worker kills: RSS, /health, 5xx; PASS/FAIL",
         "bus": "synthetic engine streams through relays and NATS JetStream into 2 replicas: block-events/s, exact",
+        "replicas": "1, 2 and 4 proxy replicas on the event bus, shared load on and off: TTFT and hit rate",
     }
     for name, help_text in benches.items():
         bp = bsub.add_parser(name, help=help_text)
         bp.add_argument("--json", action="store_true", help="print JSON with stable keys")
         bp.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
-        if name == "quality":
+        if name in ("quality", "replicas"):
             bp.add_argument("--seeds", type=int, default=None,
-                            help="workload seeds, every policy on each (default 8; 2 with --quick)")
+                            help="workload seeds, every configuration on each (quality: 8, 2 with --quick; "
+                            "replicas: 3, 1 with --quick)")
         if name == "decide":
             bp.add_argument("--policies", type=lambda v: v.split(","), default=None,
                             help="profiles timed at 64 workers beside precise (default precise,round_robin,random)")

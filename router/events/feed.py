@@ -254,9 +254,12 @@ class IndexFeeder:
         f.relay_trusted = True
 
     def reset_relayed(self, worker_id: str) -> None:
-        """A relay's reset record: the engine (or the relay) restarted; what follows rebuilds the worker."""
+        """A relay's reset record: the engine (or the relay) restarted; what follows rebuilds the worker. Until
+        then it is empty and exact, as a worker not heard from is on the direct path (the relay's own feed
+        holds it so: record 0 of a relay that has not heard from an idle engine is this reset alone)."""
         f = self.feed(worker_id)
         self._reset(f)
+        f.synced, f.unsynced_since = True, None
         f.relay_trusted = True
 
     def _clear(self, f: WorkerFeed) -> None:
