@@ -74,7 +74,13 @@ op = st.one_of(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(op, max_size=40), st.lists(st.lists(st.integers(0, KEYS - 1), max_size=8), min_size=1, max_size=4))
 def test_random_interleavings_agree_with_brute_force(Index, ops, queries):
-    index, model = Index(), ModelIndex()
+    check_against_model(Index(), ops, queries)
+
+
+def check_against_model(index, ops, queries) -> None:
+    """Apply ``ops`` to ``index`` and to the brute-force model; every query matches the same, every worker
+    holds the same engine hashes."""
+    model = ModelIndex()
     for kind, w, hs, m in ops:
         if kind == "store":
             index.store(w, hs, [key_of(h) for h in hs], m)
@@ -91,8 +97,8 @@ def test_random_interleavings_agree_with_brute_force(Index, ops, queries):
         for q in queries:
             assert index.match(q) == model.match(q)
     for w in WORKERS:
-        held = index.blocks_held(w)
-        assert held == {m: len(model.refs[w, m]) for m in MEDIA}
+        assert index.blocks_held(w) == {m: len(model.refs[w, m]) for m in MEDIA}
+        assert index.engine_hashes(w) == {m: set(model.refs[w, m]) for m in MEDIA}
     assert len(index) == sum(len(r) for r in model.refs.values())
 
 

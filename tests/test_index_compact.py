@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.index import MEDIA, Medium, PrefixMatch, compact
 from router.index import CompactKvIndex as KvIndex
-from tests.test_index import WORKERS, ModelIndex, key_of, op
+from router.index import Medium, PrefixMatch, compact
+from tests.test_index import check_against_model, op
 
 
 @settings(max_examples=200, deadline=None)
@@ -19,26 +19,7 @@ def test_bulk_store_agrees_with_brute_force(ops, queries):
     saved = compact._BULK
     compact._BULK = 2
     try:
-        index, model = KvIndex(), ModelIndex()
-        for kind, w, hs, m in ops:
-            if kind == "store":
-                index.store(w, hs, [key_of(h) for h in hs], m)
-                model.store(w, hs, m)
-            elif kind == "remove":
-                index.remove(w, hs, m)
-                model.remove(w, hs, m)
-            elif kind == "clear":
-                index.clear_worker(w)
-                model.clear(w)
-            else:
-                index.remove_worker(w)
-                model.clear(w)
-            for q in queries:
-                assert index.match(q) == model.match(q)
-        for w in WORKERS:
-            assert index.blocks_held(w) == {m: len(model.refs[w, m]) for m in MEDIA}
-            assert index.engine_hashes(w) == {m: set(model.refs[w, m]) for m in MEDIA}
-        assert len(index) == sum(len(r) for r in model.refs.values())
+        check_against_model(KvIndex(), ops, queries)
     finally:
         compact._BULK = saved
 

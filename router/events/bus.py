@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from router.aio import cancel_and_wait
 from router.events.codec import EventBatch
 from router.events.feed import IndexFeeder, Steps
 from router.events.subscriber import EventSource, drive
@@ -284,11 +285,7 @@ class BusSubscriber:
     async def stop(self) -> None:
         tasks = [*self._tasks.values(), *([self._connect_task] if self._connect_task else [])]
         self._tasks.clear()
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(tasks)
         if self._nc is not None:
             with contextlib.suppress(Exception):
                 await self._nc.close()

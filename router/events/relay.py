@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq.asyncio
 
+from router.aio import cancel_and_wait
 from router.events.bus import (
     BATCH,
     RESET,
@@ -219,11 +220,7 @@ class Relay:
         await self.subscriber.stop()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.flushed(), flush_timeout_s)
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self._nc is not None:
             with contextlib.suppress(Exception):

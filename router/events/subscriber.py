@@ -14,7 +14,6 @@ requests being routed meanwhile a few milliseconds at a time, not a second at on
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from router.aio import cancel_and_wait
 from router.events.codec import (
     SEQ_BYTES,
     EventBatch,
@@ -149,11 +149,7 @@ class KvEventSubscriber:
     async def stop(self) -> None:
         tasks = list(self._tasks.values())
         self._tasks.clear()
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(tasks)
 
     def _sub_socket(self, topic: str = "") -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.SUB)

@@ -7,7 +7,6 @@ The adapters here keep ``RoutingCore`` fed (endpoints, engine metrics, KV events
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import aiohttp
 
+from router.aio import cancel_and_wait
 from router.config import RouterConfig
 from router.discovery import DiscoveryError, WorkerSpec, load_workers_file
 from router.events.bus import BusSubscriber
@@ -147,11 +147,7 @@ class Fleet:
         self._tasks.append(asyncio.create_task(self._probe_loop()))
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self._kubernetes is not None:
             await self._kubernetes.stop()
