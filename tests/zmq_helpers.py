@@ -22,6 +22,9 @@ class TestPublisher:
         # XPUB sends exactly as PUB does, and also tells us when a subscriber has joined.
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
+        # every subscription, not only a topic's first: a subscriber that joins while the one before it is
+        # still leaving (a relay restarted) would otherwise be folded into it and never announced
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         if connect:
             self.pub.connect(connect)
             self.endpoint = connect
