@@ -133,7 +133,7 @@ async def replica(streams: int, batches: int, bus: str | None, endpoints: list[l
                   timeout_s: float) -> None:
     """Follow every worker (on the bus, or dialling the engines), print ``ready``, then, once every worker's
     last batch is applied, the time it happened and each worker's index digest."""
-    from router.events.bus import BusSubscriber
+    from router.events.bus_nats import BusSubscriber
     from router.events.subscriber import EventSource, KvEventSubscriber
 
     began = time.monotonic()

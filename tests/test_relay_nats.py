@@ -15,7 +15,8 @@ import zmq.asyncio
 
 from bench.nats import nats_server
 from router.discovery import parse_worker_arg
-from router.events.bus import RESET, UNSYNCED, BusSubscriber, decode_record, subject_of, worker_token
+from router.events.bus import RESET, UNSYNCED, decode_record, subject_of, worker_token
+from router.events.bus_nats import BusSubscriber
 from router.events.codec import AllBlocksCleared, EventBatch
 from router.events.feed import IndexFeeder
 from router.events.relay import Relay, parse_relay_worker

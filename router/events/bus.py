@@ -10,27 +10,20 @@ consumer knows when it missed one (retention, a relay's counted drops) and then 
 being silently wrong. An ``IndexSnapshot`` per worker (object store ``kvrouter-snapshots``) holds the
 relay's ``KvIndex.export_worker`` rows and the (epoch, n, stream sequence) it is exact at.
 
-``BusFollower`` applies records to a feeder (pure, no I/O); ``BusSubscriber`` is its NATS adapter, with
-the ZeroMQ subscriber's shape (add_source / remove_source / ready / start / stop) so the fleet, /ready
-and the diagnosis work unchanged. docs/event-bus.md has the design and the failure modes.
+``BusFollower`` applies records to a feeder. This module is pure (no I/O); its NATS adapter, with
+``BusSubscriber``, is router/events/bus_nats.py. docs/event-bus.md has the design and the failure modes.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
-from router.aio import cancel_and_wait
 from router.events.codec import EventBatch
 from router.events.feed import IndexFeeder, Steps
-from router.events.subscriber import EventSource, drive
 from router.index import BlockEntry, Medium
 
 log = logging.getLogger(__name__)
@@ -188,213 +181,3 @@ class BusFollower:
 
 
 # ---- NATS adapters -----------------------------------------------------------------------------
-async def connect_bus(url: str, name: str, retry_s: float = 0.5) -> Any:
-    """A NATS connection that reconnects forever; the first connect is retried too (the bus may start
-    after us)."""
-    import nats
-
-    async def _error(e: Exception) -> None:
-        log.debug("nats %s: %r", name, e)
-
-    while True:
-        try:
-            return await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=retry_s,
-                                      connect_timeout=2, allow_reconnect=True, error_cb=_error)
-        except Exception as e:  # no servers yet: keep trying, as a reconnect would
-            log.info("event bus %s not reachable (%r); retrying", url, e)
-            await asyncio.sleep(retry_s)
-
-
-async def load_snapshot(store: Any, worker_id: str) -> IndexSnapshot | None:
-    """The latest snapshot of a worker in the object ``store``, or None (none, or one we cannot read)."""
-    from nats.js.errors import NotFoundError, ObjectNotFoundError
-
-    try:
-        result = await store.get(worker_token(worker_id))
-    except (ObjectNotFoundError, NotFoundError):
-        return None
-    try:
-        snap = decode_snapshot(result.data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        log.warning("snapshot of %s unreadable (%s): replaying its stream instead", worker_id, e)
-        return None
-    return snap if snap.version == SNAPSHOT_VERSION and snap.worker_id == worker_id else None
-
-
-class BusSubscriber:
-    """A router's events from the bus: per worker, its latest snapshot, then its subject from the record
-    after it, through an ordered (ephemeral, flow-controlled, self-resetting) JetStream consumer."""
-
-    bind: str | None = None  # the ZeroMQ subscriber's bind-mode fields, never used here (diagnosis reads them)
-    bound_endpoint: str | None = None
-
-    def __init__(self, feeder: IndexFeeder, url: str, *, clock: Callable[[], float] = time.monotonic,
-                 heartbeat_s: float = 1.0, retry_s: float = 0.5, use_snapshots: bool = True,
-                 subject_prefix: str = SUBJECT_PREFIX, setup_concurrency: int = 32,
-                 request_timeout_s: float = 10.0) -> None:
-        """``setup_concurrency``: workers whose snapshot and consumer are being set up at once (a thousand
-        workers at start would otherwise be a thousand JetStream API requests at once, timing out)."""
-        self.feeder = feeder
-        self.url = url
-        self.clock = clock
-        self.heartbeat_s = heartbeat_s
-        self.retry_s = retry_s
-        self.use_snapshots = use_snapshots
-        self.subject_prefix = subject_prefix
-        self.follower = BusFollower(feeder)
-        self.replay_endpoints: dict[str, str] = {}  # unused on the bus (the relay asks the engine)
-        self.ready: set[str] = set()  # workers caught up with their stream as it was when we subscribed
-        self.snapshot_loads = 0
-        self.messages = 0
-        self.malformed = 0
-        self.lag_msgs: dict[str, int] = {}  # records still pending behind the last one applied
-        self.lag_s: dict[str, float] = {}  # age of the last record applied when it was applied
-        self.request_timeout_s = request_timeout_s
-        self.setup_retries = 0
-        self._setup = asyncio.Semaphore(setup_concurrency)
-        self._nc: Any = None
-        self._js: Any = None
-        self._store: Any = None  # the snapshot bucket, once it exists
-        self._connected = asyncio.Event()
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._connect_task: asyncio.Task[None] | None = None
-
-    # ---- lifecycle ---------------------------------------------------------------------------
-    async def start(self) -> None:
-        self._connect_task = asyncio.create_task(self._connect())
-
-    async def _connect(self) -> None:
-        self._nc = await connect_bus(self.url, "kvrouter-router", self.retry_s)
-        self._js = self._nc.jetstream(timeout=self.request_timeout_s)
-        self._connected.set()
-
-    def add_source(self, source: EventSource) -> None:
-        """Follow one worker (its ZeroMQ endpoints are the relay's business; only the id counts here)."""
-        self.remove_source(source.worker_id)
-        self._tasks[source.worker_id] = asyncio.create_task(self._follow(source.worker_id))
-
-    def remove_source(self, worker_id: str) -> None:
-        task = self._tasks.pop(worker_id, None)
-        if task is not None:
-            task.cancel()
-        self.ready.discard(worker_id)
-        self.follower.forget(worker_id)
-        self.lag_msgs.pop(worker_id, None)
-        self.lag_s.pop(worker_id, None)
-
-    async def stop(self) -> None:
-        tasks = [*self._tasks.values(), *([self._connect_task] if self._connect_task else [])]
-        self._tasks.clear()
-        await cancel_and_wait(tasks)
-        if self._nc is not None:
-            with contextlib.suppress(Exception):
-                await self._nc.close()
-
-    # ---- one worker ----------------------------------------------------------------------------
-    async def _follow(self, worker_id: str) -> None:
-        from nats.js.api import ConsumerConfig, DeliverPolicy
-
-        await self._connected.wait()
-        js = self._js
-        subject = subject_of(worker_id, self.subject_prefix)
-        st = self.follower.state(worker_id)
-        while True:  # the bus or the stream may not be there yet; a subscription that ends is made again
-            try:
-                async with self._setup:
-                    if self.use_snapshots and not st.snapshot_loaded and st.epoch is None:
-                        await self._load_snapshot(js, worker_id)
-                    head = await self._head_seq(js, subject)
-                    config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                                            opt_start_seq=st.stream_seq + 1)
-                    sub = await js.subscribe(subject, stream=STREAM, ordered_consumer=True, config=config,
-                                             idle_heartbeat=self.heartbeat_s)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.setup_retries += 1
-                log.info("worker %s: event bus not ready (%r %s); retrying", worker_id, e,
-                         getattr(e, "description", ""))
-                await asyncio.sleep(self.retry_s)
-                continue
-            try:
-                if head <= st.stream_seq:
-                    self.ready.add(worker_id)
-                await self._consume(worker_id, sub, head)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.warning("worker %s: event bus subscription ended (%r); subscribing again", worker_id, e)
-                await asyncio.sleep(self.retry_s)
-            finally:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
-
-    async def _load_snapshot(self, js: Any, worker_id: str) -> None:
-        from nats.js.errors import BucketNotFoundError
-
-        if self._store is None:
-            try:
-                self._store = await js.object_store(SNAPSHOT_BUCKET)
-            except BucketNotFoundError:
-                return  # no relay has written one yet: the stream from its start
-        snap = await load_snapshot(self._store, worker_id)
-        if snap is None:
-            return
-        if snap.block_size != self.feeder.block_size:
-            log.warning("worker %s: snapshot made for block size %s, routing uses %s: replaying its stream",
-                        worker_id, snap.block_size, self.feeder.block_size)
-            return
-        self.follower.restore(snap, self.clock())
-        self.snapshot_loads += 1
-        log.info("worker %s: snapshot at %s.%d (%d rows) loaded", worker_id, snap.epoch, snap.n, len(snap.rows))
-
-    async def _consume(self, worker_id: str, sub: Any, head: int) -> None:
-        async for msg in sub.messages:
-            self.messages += 1
-            try:
-                record = decode_record(msg.data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                self.malformed += 1
-                continue
-            meta = msg.metadata
-            seq = meta.sequence.stream
-            await drive(self.follower.apply_steps(record, seq, self.clock()))
-            self.lag_msgs[worker_id] = meta.num_pending
-            self.lag_s[worker_id] = max(0.0, time.time() - meta.timestamp.timestamp())
-            if seq >= head:
-                self.ready.add(worker_id)
-
-    async def _head_seq(self, js: Any, subject: str) -> int:
-        """The stream sequence of the worker's latest record now (0: none): caught up once past it."""
-        from nats.js.errors import NotFoundError
-
-        try:
-            return int((await js.get_last_msg(STREAM, subject)).seq)
-        except NotFoundError:
-            return 0
-
-    # ---- metrics -----------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        states = self.follower.states.values()
-        return {
-            "batches": sum(s.batches for s in states), "snapshot_loads": self.snapshot_loads,
-            "missed": sum(s.missed for s in states), "messages": self.messages, "malformed": self.malformed,
-            "lag_msgs_max": max(self.lag_msgs.values(), default=0),
-            "lag_s_max": max(self.lag_s.values(), default=0.0), "ready": len(self.ready),
-            "setup_retries": self.setup_retries,
-        }
-
-    def metric_families(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        s = self.stats()
-        yield CounterMetricFamily("kvrouter_bus_batches", "Event batches applied from the event bus.",
-                                  value=s["batches"])
-        yield CounterMetricFamily("kvrouter_bus_snapshot_loads", "Index snapshots loaded from the bus.",
-                                  value=s["snapshot_loads"])
-        yield CounterMetricFamily("kvrouter_bus_missed", "Times a worker's bus records were missing (unsynced).",
-                                  value=s["missed"])
-        yield GaugeMetricFamily("kvrouter_bus_lag_records", "Most records any worker's consumer is behind.",
-                                value=s["lag_msgs_max"])
-        yield GaugeMetricFamily("kvrouter_bus_lag_seconds", "Largest age of a record when it was applied.",
-                                value=s["lag_s_max"])

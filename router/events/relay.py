@@ -37,13 +37,13 @@ from router.events.bus import (
     UNSYNCED,
     BusRecord,
     IndexSnapshot,
-    connect_bus,
     encode_record,
     encode_snapshot,
     snapshot_rows,
     subject_of,
     worker_token,
 )
+from router.events.bus_nats import connect_bus
 from router.events.codec import EventBatch
 from router.events.feed import IndexFeeder
 from router.events.subscriber import EventSource, KvEventSubscriber

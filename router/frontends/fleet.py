@@ -17,7 +17,7 @@ import aiohttp
 from router.aio import cancel_and_wait
 from router.config import RouterConfig
 from router.discovery import DiscoveryError, WorkerSpec, load_workers_file
-from router.events.bus import BusSubscriber
+from router.events.bus_nats import BusSubscriber
 from router.events.subscriber import EventSource, KvEventSubscriber
 from router.frontends.diagnosis import Diagnosis, ProblemLog, diagnose_fleet, engine_block_size
 from router.load import parse_engine_metrics
