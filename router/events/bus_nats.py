@@ -30,25 +30,9 @@ from router.events.bus import (
 )
 from router.events.feed import IndexFeeder
 from router.events.subscriber import EventSource, drive
+from router.nats_connection import connect_nats
 
 log = logging.getLogger(__name__)
-
-
-async def connect_bus(url: str, name: str, retry_s: float = 0.5) -> Any:
-    """A NATS connection that reconnects forever; the first connect is retried too (the bus may start
-    after us)."""
-    import nats
-
-    async def _error(e: Exception) -> None:
-        log.debug("nats %s: %r", name, e)
-
-    while True:
-        try:
-            return await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=retry_s,
-                                      connect_timeout=2, allow_reconnect=True, error_cb=_error)
-        except Exception as e:  # no servers yet: keep trying, as a reconnect would
-            log.info("event bus %s not reachable (%r); retrying", url, e)
-            await asyncio.sleep(retry_s)
 
 
 async def load_snapshot(store: Any, worker_id: str) -> IndexSnapshot | None:
@@ -110,7 +94,8 @@ class BusSubscriber:
         self._connect_task = asyncio.create_task(self._connect())
 
     async def _connect(self) -> None:
-        self._nc = await connect_bus(self.url, "kvrouter-router", self.retry_s)
+        self._nc = await connect_nats(self.url, "kvrouter-router", retry_s=self.retry_s,
+                                      while_down="routing on the index held; retrying")
         self._js = self._nc.jetstream(timeout=self.request_timeout_s)
         self._connected.set()
 

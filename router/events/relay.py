@@ -43,11 +43,11 @@ from router.events.bus import (
     subject_of,
     worker_token,
 )
-from router.events.bus_nats import connect_bus
 from router.events.codec import EventBatch
 from router.events.feed import IndexFeeder
 from router.events.subscriber import EventSource, KvEventSubscriber
 from router.index import KvIndex
+from router.nats_connection import connect_nats
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,8 @@ class Relay:
         self._tasks.append(asyncio.create_task(self._snapshot_loop()))
 
     async def _connect(self) -> None:
-        self._nc = await connect_bus(self.url, f"kvrouter-relay-{self.epoch}")
+        self._nc = await connect_nats(self.url, f"kvrouter-relay-{self.epoch}",
+                                      while_down="holding records in the outbox; retrying")
         self._js = self._nc.jetstream()
         while True:
             try:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Protocol
 
 from router.load.exchange import LoadExchange
+from router.nats_connection import connect_nats
 
 log = logging.getLogger(__name__)
 
@@ -73,24 +74,15 @@ class NatsLoadBus:
             await asyncio.wait_for(asyncio.shield(self._connecting), 2.0)
 
     async def _connect(self, on_message: OnMessage) -> None:
-        import nats
-        from nats.errors import NoServersError
-
         async def deliver(msg) -> None:  # type: ignore[no-untyped-def]
             on_message(msg.data)
 
-        while True:
-            try:
-                nc = await nats.connect(self.url, name=f"kvrouter-load-{self.replica_id}", no_echo=True,
-                                        max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=2)
-                await nc.subscribe(self.pattern, cb=deliver)
-                self.max_message_bytes = nc.max_payload
-                self._nc = nc
-                log.info("shared load on %s as replica %s", self.url, self.replica_id)
-                return
-            except (NoServersError, OSError, TimeoutError) as e:
-                log.warning("load bus %s unreachable (%r): routing on this replica's own load; retrying", self.url, e)
-                await asyncio.sleep(1.0)
+        nc = await connect_nats(self.url, f"kvrouter-load-{self.replica_id}", no_echo=True,
+                                while_down="routing on this replica's own load; retrying")
+        await nc.subscribe(self.pattern, cb=deliver)
+        self.max_message_bytes = nc.max_payload
+        self._nc = nc
+        log.info("shared load on %s as replica %s", self.url, self.replica_id)
 
     def publish(self, data: bytes) -> None:
         if self._nc is None:
