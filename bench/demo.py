@@ -122,7 +122,8 @@ async def _one(session: aiohttp.ClientSession, url: str, req: DemoRequest, start
     run.per_worker[worker] = run.per_worker.get(worker, 0) + 1
 
 
-async def _reset(worker_urls: list[str]) -> None:
+async def reset_workers(worker_urls: list[str]) -> None:
+    """Empty every worker's prefix cache (POST /reset_prefix_cache): each policy, or each bench row, starts cold."""
     async with aiohttp.ClientSession() as s:
         for u in worker_urls:  # every policy starts from cold caches
             async with s.post(u + "/reset_prefix_cache") as r:
@@ -132,7 +133,7 @@ async def _reset(worker_urls: list[str]) -> None:
 async def run_policy(policy: str, workers: list[str], worker_urls: list[str], workload: list[DemoRequest],
                      progress: bool) -> PolicyRun:
     """One of our policies through ``kvrouter serve`` (in this process)."""
-    await _reset(worker_urls)
+    await reset_workers(worker_urls)
     cfg = load_config(None, {"routing.policy": policy, "routing.block_size": 16, "probe_interval_s": 0.5})
     cfg.workers = [parse_worker_arg(w) for w in workers]
     server = ProxyServer(cfg)
@@ -153,9 +154,9 @@ def run_smg(worker_urls: list[str], workload: list[DemoRequest], progress: bool)
     """The peer: SGLang's model gateway, cache_aware policy, in front of the same workers."""
     from bench.peers import smg
 
-    asyncio.run(_reset(worker_urls))
+    asyncio.run(reset_workers(worker_urls))
     with smg(worker_urls) as url:
-        asyncio.run(_reset(worker_urls))  # smg's readiness probe request warmed a cache: start cold
+        asyncio.run(reset_workers(worker_urls))  # smg's readiness probe request warmed a cache: start cold
         return asyncio.run(drive_workload("smg", url + "/v1/completions", workload, progress))
 
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
 
-from bench.demo import DEMO_DEFAULTS, PolicyRun, _reset, drive_workload, shared_prefix_workload
+from bench.demo import DEMO_DEFAULTS, PolicyRun, drive_workload, reset_workers, shared_prefix_workload
 from bench.load import SimWorkerProcess, free_port, running, server_process, sim_workers
 from bench.nats import NatsServer, nats_server
 from bench.quality_bench import pooled
@@ -106,7 +106,7 @@ def run(seeds: int, progress: bool = True) -> dict[str, Any]:
 
 def run_config(bus: NatsServer, workers: Sequence[SimWorkerProcess], urls: list[str], n: int, shared: bool,
                workload: Any, progress: bool) -> PolicyRun:
-    asyncio.run(_reset(urls))
+    asyncio.run(reset_workers(urls))
     with ExitStack() as stack:
         fronts, admins = [], []
         for k in range(n):
