@@ -37,16 +37,16 @@ def chain(rng: random.Random, n: int, base: list[int] | None = None) -> list[int
     return keep + [rng.getrandbits(62) for _ in range(n - len(keep))]
 
 
-def random_fleet(seed: int, n: int | None = None) -> tuple[RoutingCore, RouteRequest]:
+def random_fleet(seed: int, n: int | None = None, tight: bool = False) -> tuple[RoutingCore, RouteRequest]:
     """A fleet with a bit of everything: unhealthy, draining, prefill-only and model-bound workers, workers
     without events, unsynced and suspect feeds, stale ones, loads that share the request's prefix, metrics
     fresh, stale and partial, capacities near full, fitted profiles, index hits on GPU and CPU, and
-    speculative prefixes."""
+    speculative prefixes. ``tight``: caches the requests in flight nearly fill, so the memory wait is priced."""
     rng = random.Random(seed)
     core = RoutingCore(RoutingConfig(block_size=BS, seed=seed, max_inflight_requests=rng.choice([None, 4, 6]),
                                      max_inflight_tokens=rng.choice([None, 20_000])))
     n = n or rng.randrange(1, 40)
-    prompt_blocks = rng.randrange(1, 60)
+    prompt_blocks = rng.randrange(40 if tight else 1, 60)
     keys = chain(rng, prompt_blocks)
     prompt_tokens = prompt_blocks * BS + rng.randrange(BS)
     for j in range(n):
@@ -60,17 +60,18 @@ def random_fleet(seed: int, n: int | None = None) -> tuple[RoutingCore, RouteReq
         if held:
             core.index.store(wid, range(j * 10_000, j * 10_000 + len(held)), held,
                              rng.choice([Medium.GPU, Medium.GPU, Medium.CPU]))
-        for r in range(rng.randrange(0, 6)):
+        for r in range(rng.randrange(2 if tight else 0, 6)):
             own = chain(rng, rng.randrange(0, prompt_blocks + 3), keys if rng.random() < 0.5 else None)
             core.load.dispatch(f"{wid}-{r}", wid, len(own) * BS + 5, rng.randrange(0, 500), rng.randrange(1, 200),
-                               NOW - rng.uniform(0, 5), predicted_ttft_s=rng.choice([None, 0.05]), keys=own,
-                               block_size=BS)
+                               NOW - rng.uniform(0, 0.1 if tight else 5), predicted_ttft_s=rng.choice([None, 0.05]),
+                               keys=own, block_size=BS)
             if rng.random() < 0.5:
                 core.load.first_token(f"{wid}-{r}", NOW - rng.uniform(0, 1))
-        if rng.random() < 0.8:
+        if tight or rng.random() < 0.8:
             core.update_metrics(wid, EngineMetrics(
                 rng.choice([None, 0.0, 2.0, 7.0]), rng.choice([None, 1.0, 3.0]), rng.choice([None, 0.3, 0.95]),
-                scraped_at=NOW - rng.choice([0.1, 0.5, 5.0]), cache_tokens=rng.choice([None, 200 * BS, 800 * BS])))
+                scraped_at=NOW - rng.choice([0.1, 0.5, 5.0]),
+                cache_tokens=rng.choice([60 * BS, 120 * BS] if tight else [None, 200 * BS, 800 * BS])))
         if rng.random() < 0.3:  # a fitted profile
             for _ in range(10):
                 core.cost.observe_ttft(wid, 0.05, 0.05 * rng.uniform(0.5, 2.0))
@@ -144,6 +145,17 @@ def test_latency_cost_arrays_equal_the_per_candidate_objective(seed):
             float(est.queue_s[k]), float(est.prefill_s[k]), float(est.eviction_s[k]), float(est.model_ttft_s[k]))
         m = snap.prefix(c)
         assert c.matched_blocks == (0 if m is None else m.gpu + m.cpu + m.storage)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_memory_wait_arrays_equal_the_per_candidate_wait(seed):
+    """Nearly full caches: the memory wait (a vector mask, then one binary search per row of the release
+    schedules) equals each worker's own ``release_wait_s``, and is priced somewhere."""
+    core, req = random_fleet(seed, n=30, tight=True)
+    snap = Snapshot(core.state, req, NOW)
+    got = LatencyCost().score_slots(snap, np.arange(snap.size)).tolist()
+    assert got == reference_latency_cost(snap, snap.candidates)[0]
+    assert any(snap.memory_wait_s(c, 0.01) > 0 for c in snap.candidates)
 
 
 @pytest.mark.parametrize("seed", range(30))

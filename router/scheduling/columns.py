@@ -131,5 +131,14 @@ class FleetColumns:
                 self.release_freed[i, :k] = freed_i
                 self.release_freed[i, k:] = np.inf
                 self.release_step[i] = step_of[i]
-        first = np.argmax(self.release_freed[slots] >= blocks[:, None], axis=1)  # bisect_left
-        return np.maximum(0.0, self.release_ends[slots, first] - now)
+        # bisect_left on every row at once: a few gathers of one value per row (the rows end in +inf, so the
+        # last column always answers), whatever the widest worker's schedule
+        freed = self.release_freed
+        lo = np.zeros(len(slots), dtype=np.int64)
+        hi = np.full(len(slots), freed.shape[1] - 1, dtype=np.int64)
+        for _ in range(int(freed.shape[1] - 1).bit_length()):
+            mid = (lo + hi) // 2
+            enough = freed[slots, mid] >= blocks
+            hi = np.where(enough, mid, hi)
+            lo = np.where(enough, lo, mid + 1)
+        return np.maximum(0.0, self.release_ends[slots, lo] - now)
