@@ -21,14 +21,25 @@ from router.scheduling.plugins.filters.healthy import Healthy
 from router.scheduling.plugins.filters.in_subset import InSubset
 from router.scheduling.plugins.filters.not_draining import NotDraining
 from router.scheduling.plugins.filters.serves_model import ServesModel
+from router.scheduling.plugins.pickers import min_score
 from router.scheduling.plugins.pickers.min_score import MinScore
 from router.scheduling.plugins.pickers.random_pick import RandomPick
 from router.scheduling.plugins.pickers.round_robin import RoundRobin
+from router.scheduling.plugins.scorers import latency_cost
 from router.scheduling.plugins.scorers.latency_cost import LatencyCost
 from router.scheduling.snapshot import Snapshot
 
 BS = 16
 NOW = 100.0
+
+
+@pytest.fixture(autouse=True, params=["small-fleet paths", "array paths"])
+def paths(request, monkeypatch):
+    """Every test twice: with the scorer's and the picker's few-worker shortcuts (a scalar memory wait per
+    worker, Python's sort) as they are, and with the arrays forced for any fleet."""
+    if request.param == "array paths":
+        monkeypatch.setattr(latency_cost, "SCALAR_WAITS", 0)
+        monkeypatch.setattr(min_score, "SORTED_UP_TO", 0)
 
 
 def chain(rng: random.Random, n: int, base: list[int] | None = None) -> list[int]:

@@ -107,15 +107,13 @@ class FleetColumns:
     def release_waits(self, slots: np.ndarray, blocks: np.ndarray, steps: np.ndarray, now: float) -> np.ndarray:
         """``LoadTracker.release_wait_s`` for each of ``slots`` (every one with requests in flight), freeing
         ``blocks`` at decode step ``steps``: one binary search per row, all rows at once."""
-        stale = slots[~(self.release_step[slots] == steps)]
+        stale = np.flatnonzero(~(self.release_step[slots] == steps))  # positions in ``slots``
         if len(stale):
             tracker, ids = self._state.load, self.ids
-            step_of = dict(zip(slots.tolist(), steps.tolist(), strict=True))
             rows = []
-            for i in stale.tolist():
-                w = tracker.workers[ids[i]]
-                rows.append((i, *tracker.release_schedule(w, step_of[i])))
-            width = max(len(ends) for _, ends, _ in rows) + 1  # one pad at least: every search finds a slot
+            for i, step in zip(slots[stale].tolist(), steps[stale].tolist(), strict=True):
+                rows.append((i, step, *tracker.release_schedule(tracker.workers[ids[i]], step)))
+            width = max(len(ends) for _, _, ends, _ in rows) + 1  # one pad at least: every search finds a slot
             if width > self.release_ends.shape[1]:
                 n, old = len(self.ids), self.release_ends.shape[1]
                 ends = np.zeros((n, width))
@@ -124,13 +122,13 @@ class FleetColumns:
                 freed = np.full((n, width), np.inf)
                 freed[:, :old] = self.release_freed
                 self.release_ends, self.release_freed = ends, freed
-            for i, ends_i, freed_i in rows:
+            for i, step, ends_i, freed_i in rows:
                 k = len(ends_i)
                 self.release_ends[i, :k] = ends_i
                 self.release_ends[i, k:] = ends_i[-1]
                 self.release_freed[i, :k] = freed_i
                 self.release_freed[i, k:] = np.inf
-                self.release_step[i] = step_of[i]
+                self.release_step[i] = step
         # bisect_left on every row at once: a few gathers of one value per row (the rows end in +inf, so the
         # last column always answers), whatever the widest worker's schedule
         freed = self.release_freed

@@ -12,6 +12,9 @@ import numpy as np
 from router.scheduling.plugins.base import Picker
 from router.scheduling.snapshot import Candidate, Snapshot
 
+# up to this many candidates ``rank`` sorts them as ``pick`` does; more: ``min_score_order`` (the same order)
+SORTED_UP_TO = 32
+
 
 class MinScore(Picker):
     type_name = "min-score"
@@ -22,7 +25,12 @@ class MinScore(Picker):
         return [c.worker_id for c, _ in order]
 
     def rank(self, snap: Snapshot, slots: np.ndarray, scores: Sequence[float]) -> list[str]:
-        return list(map(snap.ids.__getitem__, slots[min_score_order(scores, self.rng)].tolist()))
+        ids = list(map(snap.ids.__getitem__, slots.tolist()))
+        if len(ids) <= SORTED_UP_TO:  # a few: Python's sort, as ``pick``, costs less than the arrays
+            rng = self.rng
+            order = sorted(zip(ids, scores, strict=True), key=lambda cs: (round(cs[1], 9), rng.random()))
+            return [w for w, _ in order]
+        return list(map(ids.__getitem__, min_score_order(scores, self.rng).tolist()))
 
 
 def min_score_order(scores: Sequence[float], rng: random.Random) -> np.ndarray:

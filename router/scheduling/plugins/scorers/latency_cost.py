@@ -29,6 +29,10 @@ class LatencyCostParams:
     kv_load_weight: float | None = None
 
 
+# up to this many workers needing a memory wait, each is asked its own (``LoadTracker.release_wait_s``); more:
+# one binary search over the fleet's padded release schedules (the same answer; tests run both)
+SCALAR_WAITS = 32
+
 _REPORTED = ("queue_s", "prefill_s", "decode_s", "ttft_s", "stall_s", "interference_s", "eviction_s", "step_s",
              "model_ttft_s", "model_step_s")
 
@@ -84,9 +88,16 @@ class LatencyCost(Scorer):
         need = waits & (n_keys + tail > room) & (over > 0)
         if need.any():
             at = np.flatnonzero(need)
-            step = _decode_step_s(p.timing, cols.decode_intercept[slots[at]], cols.decode_slope[slots[at]],
-                                  active[at] * bs / capacity[at])
-            wait[at] = cols.release_waits(slots[at], over[at], step, snap.now)
+            if len(at) <= SCALAR_WAITS:  # a few: each worker's own binary search costs less than the arrays
+                ids, profile, release_wait_s = snap.ids, costs.profile, snap._state.load.release_wait_s
+                for k, i, blocks, a, c in zip(at.tolist(), slots[at].tolist(), over[at].tolist(),
+                                              active[at].tolist(), capacity[at].tolist(), strict=True):
+                    step = profile(ids[i]).decode_step_s(int(a) * bs / int(c))
+                    wait[k] = release_wait_s(ids[i], int(blocks), snap.now, step)
+            else:
+                step = _decode_step_s(p.timing, cols.decode_intercept[slots[at]], cols.decode_slope[slots[at]],
+                                      active[at] * bs / capacity[at])
+                wait[at] = cols.release_waits(slots[at], over[at], step, snap.now)
         known = capacity > 0
         resident = np.zeros(len(slots))
         if known.any():
