@@ -11,6 +11,10 @@ decision also rebuilds that one worker's memory-release schedule, as it would li
 The 1,000-worker cells (``8k@1000``, ``32k@1000``; 256 workers with ``--quick``) are read against the 64-worker
 ones of the same run: a decision's per-candidate work is what grows with the fleet.
 
+Every precise cell also reports the index match alone (``match_p50_ms``: ``index.match`` of the prompt's keys,
+the part of a decision the router's scheduling code does not own) and the run names its index layout
+(``index_layout``, the default: ``dicts``): at 1,000 workers the match is most of a decision.
+
 Other profiles (``--policies``) are timed on the 64-worker cells beside precise: a profile without a
 prefix-aware scorer never walks the index, so it must cost less. ``--baseline REV`` runs the same bench from
 another commit (a git worktree, in a subprocess) interleaved with this one, round by round, and reports the
@@ -60,7 +64,8 @@ def _core(n_workers: int, keys: list[int], blocks_per_worker: int, rng: random.R
 
 
 def _time_cell(core: RoutingCore, keys: list[int], n_tokens: int, iters: int, label: str, p50: dict[str, float],
-               p99_ms: dict[str, float]) -> None:
+               p99_ms: dict[str, float], match_p50: dict[str, float] | None = None) -> None:
+    """``match_p50``: also the index match alone (``index.match`` of the prompt's keys), a decision's floor."""
     samples = []
     gc.collect()
     for i in range(iters):
@@ -74,6 +79,13 @@ def _time_cell(core: RoutingCore, keys: list[int], n_tokens: int, iters: int, la
     samples.sort()
     p50[label] = round(statistics.median(samples), 4)
     p99_ms[label] = round(p99(samples), 4)
+    if match_p50 is not None:
+        alone = []
+        for _ in range(max(10, iters // 8)):
+            t0 = time.perf_counter()
+            core.index.match(keys)
+            alone.append((time.perf_counter() - t0) * 1e3)
+        match_p50[label] = round(statistics.median(alone), 4)
 
 
 def run(quick: bool = False, policies: tuple[str, ...] = ("precise",)) -> dict:
@@ -83,21 +95,24 @@ def run(quick: bool = False, policies: tuple[str, ...] = ("precise",)) -> dict:
     iters = 50 if quick else 400
     p50: dict[str, float] = {}
     p99_ms: dict[str, float] = {}
+    match_p50: dict[str, float] = {}
     blocks = 2000 if quick else 16_000
     for size_name, n_tokens in SIZES.items():
         tokens = [rng.randrange(32000) for _ in range(n_tokens)]
         keys = request_keys(tokens, BLOCK)
         for n in workers:
-            _time_cell(_core(n, keys, blocks, rng), keys, n_tokens, iters, f"{size_name}@{n}", p50, p99_ms)
+            _time_cell(_core(n, keys, blocks, rng), keys, n_tokens, iters, f"{size_name}@{n}", p50, p99_ms,
+                       match_p50)
         for n in wide:  # their own draws: the cells above draw exactly what the bench always drew
             _time_cell(_core(n, keys, blocks, random.Random(11)), keys, n_tokens, iters, f"{size_name}@{n}", p50,
-                       p99_ms)
+                       p99_ms, match_p50)
         other = random.Random(7)  # the precise cells above draw exactly what the bench always drew
         for policy in policies:
             if policy != "precise":
                 _time_cell(_core(64, keys, blocks, other, policy), keys, n_tokens, iters,
                            f"{size_name}@64/{policy}", p50, p99_ms)
-    return {"p50_ms": p50, "p99_ms": p99_ms, "iterations": iters, "block_size": BLOCK}
+    return {"p50_ms": p50, "p99_ms": p99_ms, "match_p50_ms": match_p50, "iterations": iters, "block_size": BLOCK,
+            "index_layout": RoutingConfig().index}
 
 
 def _subprocess_run(tree: Path, quick: bool, policies: tuple[str, ...]) -> dict:
@@ -130,7 +145,11 @@ def compare(baseline: str, quick: bool, rounds: int, policies: tuple[str, ...]) 
         finally:
             subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], check=False,
                            capture_output=True)
-    out: dict = {"baseline": baseline, "rounds": rounds, "p99_ms": {}, "p50_ms": {}}
+    out: dict = {"baseline": baseline, "rounds": rounds, "p99_ms": {}, "p50_ms": {},
+                 "index_layout": runs["current"][0].get("index_layout")}
+    if "match_p50_ms" in runs["current"][0]:  # this tree's bench only: the baseline's may not time it
+        out["match_p50_ms"] = {label: round(statistics.median(r["match_p50_ms"][label] for r in runs["current"]), 4)
+                               for label in runs["current"][0]["match_p50_ms"]}
     for stat in ("p50_ms", "p99_ms"):
         for label in runs["current"][0][stat]:
             cur = statistics.median(r[stat][label] for r in runs["current"])
@@ -160,7 +179,10 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(res, indent=2, sort_keys=True))
         return 0
-    print(f"{'prompt@workers':<16}{'p50 ms':>10}{'p99 ms':>10}")
+    print(f"index layout {res['index_layout']}")
+    print(f"{'prompt@workers':<20}{'p50 ms':>10}{'p99 ms':>10}{'match p50':>11}")
     for label in res["p50_ms"]:
-        print(f"{label:<16}{res['p50_ms'][label]:>10.3f}{res['p99_ms'][label]:>10.3f}")
+        match = res["match_p50_ms"].get(label)
+        print(f"{label:<20}{res['p50_ms'][label]:>10.3f}{res['p99_ms'][label]:>10.3f}"
+              + (f"{match:>11.3f}" if match is not None else ""))
     return 0

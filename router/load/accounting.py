@@ -71,8 +71,15 @@ class WorkerLoad:
 class LoadTracker:
     workers: dict[str, WorkerLoad] = field(default_factory=dict)
     inflight: dict[str, InFlight] = field(default_factory=dict)
+    # workers whose load changed since the fleet's columns last read them (router/scheduling/columns.py): a
+    # decision over a thousand workers re-reads the one or two that changed, not all of them
+    changed: set[str] = field(default_factory=set)
+    # prompt block key -> how many workers hold it in flight (``active_keys``): a decision whose first key no
+    # worker holds skips every worker's shared-prefix search
+    key_holders: dict[int, int] = field(default_factory=dict)
 
     def load(self, worker_id: str) -> WorkerLoad:
+        self.changed.add(worker_id)  # every write goes through here
         w = self.workers.get(worker_id)
         if w is None:
             w = self.workers[worker_id] = WorkerLoad()
@@ -89,8 +96,12 @@ class LoadTracker:
         self.inflight[request_id] = InFlight(worker_id, prompt_tokens, uncached_tokens, max_tokens, now,
                                              predicted_ttft_s, None, keys, tail)
         w = self.load(worker_id)
+        active, holders = w.active_keys, self.key_holders
         for k in keys:
-            w.active_keys[k] = w.active_keys.get(k, 0) + 1
+            held = active.get(k, 0)
+            if not held:
+                holders[k] = holders.get(k, 0) + 1
+            active[k] = held + 1
         w.tail_blocks += tail
         w.request_ids.add(request_id)
         w.release = None
@@ -117,12 +128,14 @@ class LoadTracker:
         if r is None:
             return None
         w = self.load(r.worker_id)
+        active = w.active_keys
         for k in r.keys:
-            left = w.active_keys[k] - 1
+            left = active[k] - 1
             if left:
-                w.active_keys[k] = left
+                active[k] = left
             else:
-                del w.active_keys[k]
+                del active[k]
+                self._unhold(k)
         w.tail_blocks -= r.tail_blocks
         w.request_ids.discard(request_id)
         w.release = None
@@ -147,11 +160,16 @@ class LoadTracker:
         w = self.workers.get(worker_id)
         if w is None or not w.request_ids or blocks <= 0:
             return 0.0
-        if w.release is None or w.release[0] != decode_step_s:
-            w.release = (decode_step_s, *self._release_schedule(w, decode_step_s))
-        _, ends, freed = w.release
+        ends, freed = self.release_schedule(w, decode_step_s)
         i = bisect.bisect_left(freed, blocks)
         return max(0.0, ends[min(i, len(ends) - 1)] - now)
+
+    def release_schedule(self, w: WorkerLoad, decode_step_s: float) -> tuple[list[float], list[int]]:
+        """The worker's expected finish times in order and the KV blocks freed by each (cumulative), at this
+        decode step; kept on the worker until its requests or the step change (``release_wait_s``'s schedule)."""
+        if w.release is None or w.release[0] != decode_step_s:
+            w.release = (decode_step_s, *self._release_schedule(w, decode_step_s))
+        return w.release[1], w.release[2]
 
     def _release_schedule(self, w: WorkerLoad, decode_step_s: float) -> tuple[list[float], list[int]]:
         """Expected finish times in order, and the KV blocks freed by then (cumulative)."""
@@ -182,6 +200,18 @@ class LoadTracker:
         return ends, cumulative
 
     def forget_worker(self, worker_id: str) -> None:
+        self.changed.add(worker_id)
         for rid in [rid for rid, r in self.inflight.items() if r.worker_id == worker_id]:
             del self.inflight[rid]
-        self.workers.pop(worker_id, None)
+        w = self.workers.pop(worker_id, None)
+        if w is not None:
+            for k in w.active_keys:
+                self._unhold(k)
+
+    def _unhold(self, key: int) -> None:
+        """One worker fewer holds ``key`` in flight."""
+        left = self.key_holders[key] - 1
+        if left:
+            self.key_holders[key] = left
+        else:
+            del self.key_holders[key]

@@ -11,7 +11,10 @@ there, the speculative prefix, also while that index resyncs).
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from router.events.feed import IndexFeeder
 from router.index import INDEX_LAYOUTS
@@ -19,6 +22,7 @@ from router.load import EngineMetrics
 from router.scheduling.cost import CostParams
 from router.scheduling.disagg import DisaggParams, PrefillPlan, plan_prefill
 from router.scheduling.lifecycle import Dispatch
+from router.scheduling.plugins.base import Scorer
 from router.scheduling.plugins.filters.admission import SATURATED
 from router.scheduling.profiles import (
     SchedulingConfig,
@@ -29,7 +33,7 @@ from router.scheduling.profiles import (
 )
 from router.scheduling.snapshot import Snapshot
 from router.scheduling.state import FleetState
-from router.scheduling.types import Decision, Endpoint, RouteRequest, hit_tokens
+from router.scheduling.types import CandidateReport, Decision, Endpoint, RouteRequest, hit_tokens
 
 
 @dataclass
@@ -137,51 +141,76 @@ class RoutingCore:
 
     # ---- deciding ----------------------------------------------------------------------------
     def decide(self, req: RouteRequest, now: float, exclude: frozenset[str] = frozenset()) -> Decision:
-        """``exclude``: workers this decision may not pick (the decode worker, when choosing its prefill one)."""
+        """``exclude``: workers this decision may not pick (the decode worker, when choosing its prefill one).
+
+        Works on the snapshot's slots: each filter's mask (or, for a filter without one, its per-candidate
+        verdict on the slots still in), the scorers' arrays, the picker's order. The decision's candidate
+        reports are built when read (``Decision.report``, ``Decision.candidates``)."""
         profile = self.profile
         snap = Snapshot(self.state, req, now)
         decision = Decision(profile.name)
-        eligible, filtered = [], []
-        filters = [f.filter for f in profile.filters]
-        for c in snap.candidates:
-            reason = "excluded: the request's decode worker" if c.worker_id in exclude else None
-            for f in filters:
-                if reason:
-                    break
-                reason = f(snap, c)
-            c.filtered = reason
-            (filtered if reason else eligible).append(c)
-        if not eligible:
-            saturated = any(c.filtered == SATURATED for c in filtered)
+        n = snap.size
+        passing = np.ones(n, dtype=bool)
+        reasons = snap.reasons
+        if exclude:
+            for wid in exclude:
+                i = snap.slot.get(wid)
+                if i is not None:
+                    passing[i] = False
+                    reasons[i] = "excluded: the request's decode worker"
+        for f in profile.filters:
+            ok = f.mask(snap)
+            if ok is None:  # a per-candidate filter: asked of the slots still in
+                for i in np.flatnonzero(passing).tolist():
+                    why = f.filter(snap, snap.candidate(i))
+                    if why:
+                        passing[i] = False
+                        reasons[i] = why
+                continue
+            dropped = passing & ~ok
+            if dropped.any():
+                for i in np.flatnonzero(dropped).tolist():
+                    reasons[i] = f.reason(snap, i)
+                passing &= ok
+        for i in snap._built:  # candidates a per-candidate filter built carry their verdict
+            snap.candidate(i).filtered = reasons.get(i)
+        eligible = np.flatnonzero(passing)
+        filtered = sorted(reasons)
+        if not len(eligible):
+            saturated = any(reasons[i] == SATURATED for i in filtered)
             decision.outcome = "shed" if saturated else "no_endpoint"
+            ids = snap.ids
             decision.reason = "every eligible worker is saturated" if saturated else (
-                "no eligible endpoint: " + "; ".join(f"{c.worker_id}: {c.filtered}" for c in filtered)
+                "no eligible endpoint: " + "; ".join(f"{ids[i]}: {reasons[i]}" for i in filtered)
                 if filtered else "no endpoints known")
-            decision.candidates = list(filtered)
+            decision.candidates = snap.candidates_at(filtered)
             return decision
-        snap.eligible = eligible
+        snap.set_eligible_slots(eligible)
         scorers = profile.scorers
         if len(scorers) == 1 and scorers[0][1] == 1.0:
-            totals = scorers[0][0].score(snap, eligible)
+            totals = _scores(scorers[0][0], snap, eligible)
+            totals = totals.tolist() if isinstance(totals, np.ndarray) else list(totals)
         else:
-            totals = [0.0] * len(eligible)
+            acc = np.zeros(len(eligible))
             for scorer, weight in scorers:
-                for i, s in enumerate(scorer.score(snap, eligible)):
-                    totals[i] += weight * s
-        for c, total in zip(eligible, totals, strict=True):
-            c.score = total
-        decision.ranked = profile.picker.pick(snap, eligible, totals)
-        chosen = next(c for c in eligible if c.worker_id == decision.ranked[0])
+                acc += weight * np.asarray(_scores(scorer, snap, eligible), dtype=float)
+            totals = acc.tolist()
+        snap.set_scores(eligible, totals)
+        ranked = profile.picker.rank(snap, eligible, totals)
+        if ranked is None:
+            ranked = profile.picker.pick(snap, snap.eligible, totals)
+        decision.ranked = ranked
+        chosen = snap.candidate(snap.slot[ranked[0]])
         decision.uncached_tokens = req.prompt_tokens - hit_tokens(chosen.matched_blocks, req.block_size,
                                                                   req.prompt_tokens)
         decision.predicted_ttft_s = chosen.ttft_s or None
-        if profile.uses_prefix and not any(c.prefix_credit for c in eligible):
+        if profile.uses_prefix and not snap.credit[eligible].any():
             decision.reason = "load only: no worker's index is synced and fresh"
         elif chosen.ttft_s:
             decision.reason = f"{profile.name}: min estimated TTFT {chosen.ttft_s * 1e3:.1f} ms"
         else:
             decision.reason = profile.name if not profile.scorers else f"{profile.name}: score {chosen.score:.4g}"
-        decision.candidates = [*eligible, *filtered]
+        decision.attach(SnapshotReports(snap, [*eligible.tolist(), *filtered]))
         return decision
 
     def plan_prefill(self, req: RouteRequest, decision: Decision, now: float) -> PrefillPlan | None:
@@ -212,3 +241,30 @@ class RoutingCore:
         d = self.dispatches.get(request_id)
         if d is not None:
             d.complete(now, served, output_tokens)
+
+
+def _scores(scorer: Scorer, snap: Snapshot, slots: np.ndarray) -> np.ndarray | Sequence[float]:
+    """A scorer's costs for ``slots``: its vector form, or its per-candidate one on the candidates there."""
+    out = scorer.score_slots(snap, slots)
+    return out if out is not None else scorer.score(snap, snap.eligible)
+
+
+class SnapshotReports:
+    """A decision's candidate reports, built from its snapshot when read: one for the chosen worker or a
+    fallback, all of them (eligible first, in the fleet's order, then the filtered) for the full list."""
+
+    __slots__ = ("_order", "_snap")
+
+    def __init__(self, snap: Snapshot, order: list[int]) -> None:
+        self._snap, self._order = snap, order
+
+    def report(self, worker_id: str) -> CandidateReport | None:
+        i = self._snap.slot.get(worker_id)
+        return None if i is None or i >= self._snap.size else self._snap.candidate(i)
+
+    def all(self) -> list[CandidateReport]:
+        return list(self._snap.candidates_at(self._order))
+
+    def prefix_credited(self) -> bool:
+        snap = self._snap
+        return bool(snap.credit[snap.eligible_slots].any())

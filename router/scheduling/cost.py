@@ -196,6 +196,7 @@ class Columns:
 class CostModel:
     params: CostParams = field(default_factory=CostParams)
     profiles: dict[str, EngineProfile] = field(default_factory=dict)  # per worker, once it has taught something
+    changed: set[str] = field(default_factory=set)  # workers whose profile may have changed (the fleet's columns)
 
     def __post_init__(self) -> None:
         self._default = self._new_profile()  # what a worker not observed yet is priced by (never fitted)
@@ -211,12 +212,14 @@ class CostModel:
         return self.profiles.get(worker_id) or self._default
 
     def _learning(self, worker_id: str) -> EngineProfile:
+        self.changed.add(worker_id)  # what it learns next may move its fit
         prof = self.profiles.get(worker_id)
         if prof is None:
             prof = self.profiles[worker_id] = self._new_profile()
         return prof
 
     def forget(self, worker_id: str) -> None:
+        self.changed.add(worker_id)
         self.profiles.pop(worker_id, None)
 
     def prefill_s(self, tokens: int, worker_id: str | None = None) -> float:

@@ -118,7 +118,7 @@ def _priced(core: RoutingCore, req: RouteRequest, worker_id: str, now: float) ->
     """``req`` on ``worker_id`` priced by the routing objective's own scorer (its queue, prefill, stall, eviction
     and decode step there), whatever the profile's scorers are."""
     snap = Snapshot(core.state, req, now)
-    cand = next(c for c in snap.candidates if c.worker_id == worker_id)
+    cand = snap.candidate(snap.slot[worker_id])
     snap.eligible = [cand]
     LatencyCost().score(snap, [cand])
     return cand
@@ -127,7 +127,8 @@ def _priced(core: RoutingCore, req: RouteRequest, worker_id: str, now: float) ->
 def _credit_transfer(decision: Decision, req: RouteRequest) -> Callable[[], None]:
     """The prompt's KV arrives at the decode worker by transfer: its dispatch counts no prefill there. Returns
     how to take that back."""
-    c = next(c for c in decision.candidates if c.worker_id == decision.chosen)
+    c = decision.report(decision.chosen)
+    assert c is not None
     was = (c.matched_gpu, c.matched_cpu, c.matched_storage, c.prefill_s, c.queue_s, c.stall_s,
            decision.uncached_tokens)
     c.matched_gpu, c.matched_cpu, c.matched_storage = len(req.keys), 0, 0

@@ -36,7 +36,7 @@ class Dispatch:
     # ---- what the router expects here --------------------------------------------------------------
     @property
     def report(self) -> CandidateReport | None:
-        return next((c for c in self.decision.candidates if c.worker_id == self.worker_id), None)
+        return self.decision.report(self.worker_id)
 
     @property
     def expected_hit_tokens(self) -> int:

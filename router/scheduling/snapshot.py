@@ -1,15 +1,24 @@
-"""The per-decision view plugins see: the request, ``now`` and one ``Candidate`` per worker. Built once per
+"""The per-decision view plugins see: the request, ``now`` and the fleet, one slot per worker. Built once per
 decision; plugins never see the core or the state behind it.
 
-Cheap facts (endpoint, load, fresh metrics, capacity, index state) are read when the snapshot is made; the
-prefix match, which walks the index, is computed on first use and only for the candidates left after the
-filters, so a profile without a prefix-aware scorer never pays for it.
+A decision reads the fleet's columns (router/scheduling/columns.py) and works on arrays over the slots: the
+vector forms of the filters, scorers and pickers (``Filter.mask``, ``Scorer.score_slots``, ``Picker.rank``)
+never build a per-worker object. ``Candidate`` objects, what a per-candidate plugin (``filter(snap, cand)``,
+``score(snap, cands)``) and the decision's reports read, are built on first use, per slot, and kept: the chosen
+worker's and the fallbacks' are built when read, all of them only when something asks for the full list. The
+prefix match, which walks the index, is computed on first use and only for the slots left after the filters,
+so a profile without a prefix-aware scorer never pays for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter
+from typing import Any
+
+import numpy as np
 
 from router.index import Medium, PrefixMatch
 from router.load import EngineMetrics, WorkerLoad, tail_blocks
@@ -19,6 +28,7 @@ from router.scheduling.types import REPORT_FIELDS, CandidateReport, Endpoint, Ro
 
 # the CandidateReport fields from queue_s to score, as a new candidate starts them
 _NO_COSTS = (0.0,) * (REPORT_FIELDS.index("score") - REPORT_FIELDS.index("queue_s") + 1)
+_GPU, _CPU, _STORAGE, _EVENTS = (attrgetter(a) for a in ("gpu", "cpu", "storage", "events"))
 
 
 @dataclass(slots=True)
@@ -50,18 +60,50 @@ class Snapshot:
         self.request = request
         self.now = now
         self._state = state
-        self.candidates: list[Candidate] = []
-        loads, metrics, capacity, feeds = state.load.workers, state.metrics, state.cache_tokens, state.feeder.feeds
-        max_age, index_state, add = state.metrics_max_age_s, state.index_state_of, self.candidates.append
-        view = state.engine_view
-        for wid, ep in state.endpoints.items():
-            load = loads.get(wid)
-            m = metrics.get(wid)
-            st = index_state(wid, ep, feeds.get(wid), now)
-            # positional (the CandidateReport fields, then the live facts): a decision builds one per worker
-            add(Candidate(wid, None, st, st == "synced", 0, 0, 0, 0, *_NO_COSTS, load.requests if load else 0, ep, load,
-                          view(wid, m.fresh(now, max_age)) if m else None, capacity.get(wid)))
-        self.eligible: list[Candidate] = self.candidates
+        cols = state.columns
+        cols.refresh()
+        self.cols = cols
+        self.ids: list[str] = cols.ids  # by slot (shared with the columns: never changed here)
+        self.slot: dict[str, int] = cols.slot
+        self.endpoint_list: list[Endpoint] = cols.endpoints
+        self.size = n = len(self.ids)
+        # index states: "synced" but for the few workers something marks (no events, a feed not synced or
+        # suspect, dispatches not followed by events for a while), each then asked the state's own rule
+        self.states: dict[int, str] = {}
+        events = list(map(_EVENTS, self.endpoint_list))
+        marked = set() if all(events) else {i for i, e in enumerate(events) if not e}
+        slot, feeds = self.slot, state.feeder.feeds
+        for wid, f in feeds.items():
+            if not f.synced or f.suspect_since is not None:
+                i = slot.get(wid)
+                if i is not None:
+                    marked.add(i)
+        stale_before, awaiting = now - state.stale_after_s, state.awaiting_events_since
+        if awaiting and min(awaiting.values()) < stale_before:
+            for wid, since in awaiting.items():
+                if since < stale_before:
+                    i = slot.get(wid)
+                    if i is not None:
+                        marked.add(i)
+        for i in marked:
+            wid = self.ids[i]
+            st = state.index_state_of(wid, self.endpoint_list[i], feeds.get(wid), now)
+            if st != "synced":
+                self.states[i] = st
+        self.credit = np.ones(n, dtype=bool)  # prefix credit: only a synced index earns it
+        if self.states:
+            self.credit[list(self.states)] = False
+        self.inflight = cols.requests.copy()  # as the decision saw it (the columns move on)
+        self.fresh = cols.has_metrics & (now - cols.scraped_at <= state.metrics_max_age_s)
+        self._cands: list[Candidate | None] = [None] * n
+        self._built: list[int] = []
+        self._eligible = np.arange(n)
+        self._eligible_list: list[Candidate] | None = None
+        self.reasons: dict[int, str] = {}  # why each filtered slot was dropped
+        self._reports: dict[str, np.ndarray] = {}  # report fields the scorers set, by slot
+        self._scores: list[Any] | None = None  # the decision's totals, in ``eligible_slots`` order
+        self._score_pos: Callable[[int], int | None] | None = None
+        self._match_arrays: dict[str, np.ndarray] | None = None
         self._matched: dict[str, PrefixMatch | None] | None = None
         self._best_held = 0
         self._tail: int | None = None
@@ -76,6 +118,106 @@ class Snapshot:
         """P(a block the fleet evicts is asked for again), as the fleet has shown it."""
         return self._state.reuse.probability
 
+    @property
+    def tail(self) -> int:
+        """The request's KV blocks beyond its full prompt blocks (its partial block and output)."""
+        if self._tail is None:
+            req = self.request
+            self._tail = tail_blocks(req.prompt_tokens, len(req.keys), req.max_tokens, req.block_size)
+        return self._tail
+
+    # ---- slots and candidates ------------------------------------------------------------------
+    @property
+    def eligible_slots(self) -> np.ndarray:
+        """The slots left after the filters (all of them before), in the fleet's order."""
+        return self._eligible
+
+    def set_eligible_slots(self, slots: np.ndarray) -> None:
+        self._eligible = slots
+        self._eligible_list = None
+        self._match_arrays = self._matched = None
+
+    def index_state(self, i: int) -> str:
+        return self.states.get(i, "synced")
+
+    def candidate(self, i: int) -> Candidate:
+        """Slot ``i``'s candidate, built on first use (with what the decision has set on it so far) and kept."""
+        c = self._cands[i]
+        if c is not None:
+            return c
+        state, wid = self._state, self.ids[i]
+        load = state.load.workers.get(wid)
+        m = state.metrics.get(wid) if self.fresh[i] else None
+        st = self.states.get(i, "synced")
+        c = Candidate(wid, self.reasons.get(i), st, st == "synced", 0, 0, 0, 0, *_NO_COSTS,
+                      int(self.inflight[i]), self.endpoint_list[i], load,
+                      state.engine_view(wid, m) if m else None, state.cache_tokens.get(wid))
+        if self._match_arrays is not None:
+            for name, arr in self._match_arrays.items():
+                setattr(c, name, int(arr[i]))
+        for name, arr in self._reports.items():
+            setattr(c, name, float(arr[i]))
+        if self._score_pos is not None:
+            pos = self._score_pos(i)
+            if pos is not None:
+                c.score = self._scores[pos]  # type: ignore[index]
+        self._cands[i] = c
+        self._built.append(i)
+        return c
+
+    def candidates_at(self, slots: Sequence[int] | np.ndarray) -> list[Candidate]:
+        get = self.candidate
+        return [get(i) for i in (slots.tolist() if isinstance(slots, np.ndarray) else slots)]
+
+    @property
+    def candidates(self) -> list[Candidate]:
+        """Every worker's candidate (builds them all: the per-candidate plugins' view)."""
+        return self.candidates_at(range(self.size))
+
+    @property
+    def eligible(self) -> list[Candidate]:
+        """The candidates left after the filters (builds them)."""
+        if self._eligible_list is None:
+            self._eligible_list = self.candidates_at(self._eligible)
+        return self._eligible_list
+
+    @eligible.setter
+    def eligible(self, cands: list[Candidate]) -> None:
+        slot = self.slot
+        self.set_eligible_slots(np.array([slot[c.worker_id] for c in cands], dtype=np.int64))
+        self._eligible_list = list(cands)
+
+    def set_reports(self, slots: np.ndarray, **fields: np.ndarray) -> None:
+        """Report fields (``CandidateReport``'s float terms) for ``slots``, as arrays in their order: what a
+        vector scorer writes; the candidates built already get them now, the others when built."""
+        n = self.size
+        whole = len(slots) == n and (n == 0 or (slots[0] == 0 and slots[-1] == n - 1))  # every slot, in order
+        for name, values in fields.items():
+            if whole:
+                self._reports[name] = values
+                continue
+            arr = self._reports.get(name)
+            if arr is None:
+                arr = self._reports[name] = np.zeros(n)
+            arr[slots] = values
+        if self._built:
+            pos = _positions(slots)
+            for i in self._built:
+                k = pos(i)
+                if k is not None:
+                    c = self._cands[i]
+                    for name, values in fields.items():
+                        setattr(c, name, float(values[k]))
+
+    def set_scores(self, slots: np.ndarray, totals: list[Any]) -> None:
+        """The decision's totals for ``slots`` (the candidates' ``score``)."""
+        self._scores = totals
+        self._score_pos = pos = _positions(slots)
+        for i in self._built:
+            k = pos(i)
+            if k is not None:
+                self._cands[i].score = totals[k]  # type: ignore[union-attr]
+
     # ---- prefix matches (lazy) -----------------------------------------------------------------
     def prefix(self, cand: Candidate) -> PrefixMatch | None:
         """The prompt's blocks the candidate holds, per tier, as far as the router may credit them."""
@@ -84,46 +226,91 @@ class Snapshot:
     def matches(self) -> dict[str, PrefixMatch | None]:
         """``prefix`` of every eligible candidate, by worker id."""
         if self._matched is None:
-            self._match()
-        assert self._matched is not None
+            spec = self.match_arrays()["speculative"]
+            ids, raw, credit, held = self.ids, self._raw_matches, self.credit, {}
+            for i in self._eligible.tolist():
+                m = raw.get(ids[i]) if credit[i] else None
+                if spec[i] > (0 if m is None else m.gpu + m.cpu + m.storage):
+                    m = PrefixMatch(int(spec[i]))
+                held[ids[i]] = m
+            self._matched = held
         return self._matched
 
     def best_held(self) -> int:
         """The most prompt blocks any eligible candidate holds."""
-        if self._matched is None:
-            self._match()
+        self.match_arrays()
         return self._best_held
 
-    def _match(self) -> None:
-        req, state = self.request, self._state
-        matches = state.index.match(req.keys) if req.keys else {}
+    def match_arrays(self) -> dict[str, np.ndarray]:
+        """The eligible slots' credited prefix, by tier, and the speculative one (0 elsewhere): int arrays by
+        slot, ``matched_gpu``, ``matched_cpu``, ``matched_storage``, ``speculative``. What was sent to a worker
+        in the last seconds stays true while its index resyncs (a replay in flight): when more than the index
+        credits, it counts as held on GPU."""
+        if self._match_arrays is not None:
+            return self._match_arrays
+        req, state, n = self.request, self._state, self.size
+        raw = state.index.match(req.keys) if req.keys else {}
         spec = state.speculative.match(req.keys, self.now) if req.keys else {}
-        held: dict[str, PrefixMatch | None] = {}
-        best = 0
-        for c in self.eligible:
-            r = c
-            m = matches.get(c.worker_id) if r.prefix_credit else None
-            blocks = 0
-            if m is not None:
-                r.matched_gpu, r.matched_cpu, r.matched_storage = m.gpu, m.cpu, m.storage
-                blocks = m.gpu + m.cpu + m.storage
-            # what we sent there in the last seconds stays true while its index resyncs (a replay in flight)
-            r.speculative = spec.get(c.worker_id, 0) if spec and c.state in ("synced", "unsynced") else 0
-            if r.speculative > blocks:
-                # blocks on their way to this worker: count them as they will be (on GPU)
-                r.matched_gpu, r.matched_cpu, r.matched_storage = r.speculative, 0, 0
-                m = PrefixMatch(r.speculative)
-                blocks = r.speculative
-            held[c.worker_id] = m
-            if blocks > best:
-                best = blocks
-        self._matched = held
-        self._best_held = best
+        self._raw_matches = raw
+        g, c, s, sp = (np.zeros(n, dtype=np.int64) for _ in range(4))
+        eligible = np.zeros(n, dtype=bool)
+        eligible[self._eligible] = True
+        slot = self.slot
+        if raw:
+            k = len(raw)
+            where = np.fromiter(map(slot.get, raw, repeat(-1, k)), dtype=np.int64, count=k)
+            vals = raw.values()
+            known = where >= 0
+            take = known.copy()
+            take[known] = eligible[where[known]] & self.credit[where[known]]
+            at = where[take]
+            g[at] = np.fromiter(map(_GPU, vals), dtype=np.int64, count=k)[take]
+            cv = np.fromiter(map(_CPU, vals), dtype=np.int64, count=k)[take]
+            if cv.any():
+                c[at] = cv
+            sv = np.fromiter(map(_STORAGE, vals), dtype=np.int64, count=k)[take]
+            if sv.any():
+                s[at] = sv
+        for wid, blocks in spec.items():
+            i = slot.get(wid)
+            if i is None or not eligible[i] or self.states.get(i, "synced") not in ("synced", "unsynced"):
+                continue
+            sp[i] = blocks
+            if blocks > g[i] + c[i] + s[i]:  # blocks on their way to this worker: count them as they will be
+                g[i], c[i], s[i] = blocks, 0, 0
+        self._best_held = int((g + c + s).max()) if n else 0
+        self._match_arrays = a = {"matched_gpu": g, "matched_cpu": c, "matched_storage": s, "speculative": sp}
+        for i in self._built:
+            cand = self._cands[i]
+            for name, arr in a.items():
+                setattr(cand, name, int(arr[i]))
+        return a
 
     # ---- memory ----------------------------------------------------------------------------------
     def resident_tokens(self, cand: Candidate) -> int:
         """What the candidate's GPU cache holds, by the index."""
         return self._state.index.blocks_held_on(cand.worker_id, Medium.GPU) * self._state.block_size
+
+    def resident_blocks(self, slots: np.ndarray) -> np.ndarray:
+        """``resident_tokens`` / block size of each of ``slots``, as an array."""
+        ids, k = self.ids, len(slots)
+        which = ids if k == self.size else [ids[i] for i in slots.tolist()]
+        return np.fromiter(map(self._state.index.blocks_held_on, which, repeat(Medium.GPU, k)), dtype=float,
+                           count=k)
+
+    def shared_prefix_blocks(self, slots: np.ndarray) -> np.ndarray:
+        """``WorkerLoad.shared_prefix_blocks`` of the request's keys for each of ``slots`` (0 without load)."""
+        keys, tracker = self.request.keys, self._state.load
+        out = np.zeros(len(slots))
+        if not keys or keys[0] not in tracker.key_holders:  # no request in flight anywhere starts with it
+            return out
+        k0, loads, ids = keys[0], tracker.workers, self.ids
+        get = loads.get
+        for k, i in enumerate(slots.tolist()):
+            w = get(ids[i])
+            if w is not None and k0 in w.active_keys:
+                out[k] = w.shared_prefix_blocks(keys)
+        return out
 
     def memory_wait_s(self, cand: Candidate, decode_step_s: float) -> float:
         """Until the requests in flight there free room for this request's KV blocks; 0 if they fit now."""
@@ -132,9 +319,7 @@ class Snapshot:
             return 0.0
         # its prompt blocks no request in flight holds, and its partial block and output: engines admit on
         # what is free now, but a cache that cannot hold every request to its last token preempts (recompute)
-        if self._tail is None:  # the same for every candidate: once per decision
-            self._tail = tail_blocks(req.prompt_tokens, len(req.keys), req.max_tokens, req.block_size)
-        tail, n = self._tail, len(req.keys)
+        tail, n = self.tail, len(req.keys)
         room = capacity // req.block_size - load.active_blocks
         if n + tail <= room:
             return 0.0  # fits even without the blocks it shares with requests in flight
@@ -142,6 +327,17 @@ class Snapshot:
         if over <= 0:
             return 0.0
         return self._state.load.release_wait_s(cand.worker_id, over, self.now, decode_step_s)
+
+
+def _positions(slots: np.ndarray) -> Callable[[int], int | None]:
+    """Where each slot is in ``slots`` (None: not there): a binary search when they are in order, as the
+    filters leave them, else a table."""
+    if len(slots) < 2 or bool((slots[1:] > slots[:-1]).all()):
+        def find(i: int) -> int | None:
+            k = int(np.searchsorted(slots, i))
+            return k if k < len(slots) and slots[k] == i else None
+        return find
+    return {s: k for k, s in enumerate(slots.tolist())}.get
 
 
 def worker_ids(cands: Sequence[Candidate]) -> list[str]:

@@ -16,6 +16,7 @@ from router.index import KvIndex, Medium
 from router.index.speculative import SpeculativePrefixes
 from router.load import EngineMetrics, LoadTracker
 from router.load.exchange import LoadExchange
+from router.scheduling.columns import FleetColumns
 from router.scheduling.cost import CostModel, CostParams
 from router.scheduling.reuse import ReuseTracker
 from router.scheduling.types import Endpoint
@@ -49,6 +50,8 @@ class FleetState:
         self.own_at_scrape: dict[str, tuple[int, int, int]] = {}
         # per worker: the first dispatch not yet followed by any KV event (for staleness)
         self.awaiting_events_since: dict[str, float] = {}
+        self.changed: set[str] = set()  # workers whose metrics or capacity changed since the columns read them
+        self.columns = FleetColumns(self)  # the per-worker facts a decision reads, as arrays
 
     # ---- writes ------------------------------------------------------------------------------
     def upsert_endpoint(self, ep: Endpoint) -> None:
@@ -79,6 +82,7 @@ class FleetState:
                 and metrics.work_tokens < prev.work_tokens):
             self.worker_failed(worker_id, metrics.scraped_at)
         self.metrics[worker_id] = metrics
+        self.changed.add(worker_id)
         w = self.load.workers.get(worker_id)
         self.own_at_scrape[worker_id] = (w.requests - w.decoding, w.decoding, w.active_blocks) if w else (0, 0, 0)
         if metrics.cache_tokens and self.cache_tokens.get(worker_id) != metrics.cache_tokens:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
 
 def hit_tokens(matched_blocks: int, block_size: int, prompt_tokens: int) -> int:
@@ -88,21 +88,64 @@ class CandidateReport:
 REPORT_FIELDS = tuple(f.name for f in fields(CandidateReport))
 
 
+class DecisionReports(Protocol):
+    """Where a decision's candidate reports come from when they are built on demand."""
+
+    def report(self, worker_id: str) -> CandidateReport | None: ...
+
+    def all(self) -> list[CandidateReport]: ...
+
+    def prefix_credited(self) -> bool: ...
+
+
 @dataclass(slots=True)
 class Decision:
     policy: str
     ranked: list[str] = field(default_factory=list)  # chosen first, then fallbacks
     outcome: str = "routed"  # routed | shed | no_endpoint
     reason: str = ""
-    candidates: list[CandidateReport] = field(default_factory=list)
     retry_after_s: float = 1.0
     uncached_tokens: int = 0  # estimated on the chosen worker
     predicted_ttft_s: float | None = None
     disagg: dict[str, Any] | None = None  # the prefill/decode split considered for it (PrefillPlan.explain)
+    # the candidates' reports: a list, or built from the decision's snapshot when first read (``attach``)
+    _candidates: list[CandidateReport] | None = field(default=None, repr=False)
+    _source: DecisionReports | None = field(default=None, repr=False)
 
     @property
     def chosen(self) -> str | None:
         return self.ranked[0] if self.ranked else None
+
+    @property
+    def candidates(self) -> list[CandidateReport]:
+        """Every candidate's report: the eligible ones in the fleet's order, then the filtered ones (built on
+        first read when the decision came with a source: a thousand workers cost a thousand objects only when
+        someone asks for all of them)."""
+        if self._candidates is None:
+            self._candidates = self._source.all() if self._source is not None else []
+        return self._candidates
+
+    @candidates.setter
+    def candidates(self, reports: list[CandidateReport]) -> None:
+        self._candidates, self._source = list(reports), None
+
+    def attach(self, source: DecisionReports) -> None:
+        """Build the candidates' reports from ``source`` when read."""
+        self._candidates, self._source = None, source
+
+    def report(self, worker_id: str) -> CandidateReport | None:
+        """The report of one candidate (the chosen worker, a fallback), without building the others'."""
+        if self._candidates is None and self._source is not None:
+            return self._source.report(worker_id)
+        return next((c for c in self.candidates if c.worker_id == worker_id), None)
+
+    @property
+    def prefix_credited(self) -> bool:
+        """Whether any eligible candidate could be credited a prefix (what the decision metrics count), without
+        building the reports."""
+        if self._candidates is None and self._source is not None:
+            return self._source.prefix_credited()
+        return any(c.prefix_credit for c in self.candidates if not c.filtered)
 
     def as_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "outcome": self.outcome, "reason": self.reason, "ranked": self.ranked,

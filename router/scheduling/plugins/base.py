@@ -6,6 +6,11 @@ with a ``type_name``, a ``Params`` dataclass of typed parameters (validated from
 taking them; it sees only the per-decision ``Snapshot``. Hooks: ``on_dispatch`` (a request was sent to a
 worker; return an undo for when the choice is abandoned: a retry elsewhere, a gateway fallback) and
 ``on_first_token`` (what the request's first token taught).
+
+Each kind has an optional vector form over the snapshot's slots (``Filter.mask``, ``Scorer.score_slots``,
+``Picker.rank``): the routing core uses it when a plugin has one (the built-ins do), and the per-candidate
+method otherwise, so a one-file third-party plugin with just ``filter`` / ``score`` / ``pick`` still works.
+A vector form must answer exactly what the per-candidate method would.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import dataclasses
 import random
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
+
+import numpy as np
 
 from router.scheduling.snapshot import Candidate, Snapshot
 from router.scheduling.types import RouteRequest
@@ -50,6 +57,16 @@ class Filter(Plugin):
         """Why ``cand`` may not take this request, or None."""
         raise NotImplementedError
 
+    def mask(self, snap: Snapshot) -> np.ndarray | None:
+        """The vector form: a boolean per slot, True where ``filter`` would pass it; None: no vector form."""
+        return None
+
+    def reason(self, snap: Snapshot, slot: int) -> str:
+        """Why ``mask`` rejected ``slot`` (what ``filter`` says of it)."""
+        why = self.filter(snap, snap.candidate(slot))
+        assert why is not None, f"{self.type_name}: mask and filter disagree on {snap.ids[slot]}"
+        return why
+
 
 class Scorer(Plugin):
     kind = "scorer"
@@ -59,6 +76,10 @@ class Scorer(Plugin):
         """One cost per candidate, in order: lower is better."""
         raise NotImplementedError
 
+    def score_slots(self, snap: Snapshot, slots: np.ndarray) -> np.ndarray | None:
+        """The vector form: ``score`` of the candidates at ``slots`` as an array; None: no vector form."""
+        return None
+
 
 class Picker(Plugin):
     kind = "picker"
@@ -66,6 +87,10 @@ class Picker(Plugin):
     def pick(self, snap: Snapshot, cands: Sequence[Candidate], scores: Sequence[float]) -> list[str]:
         """The candidates' worker ids, best first (the rest are the fallbacks, in order)."""
         raise NotImplementedError
+
+    def rank(self, snap: Snapshot, slots: np.ndarray, scores: Sequence[float]) -> list[str] | None:
+        """The vector form: ``pick`` of the candidates at ``slots`` (``scores`` in their order); None: none."""
+        return None
 
 
 def params_doc(cls: type[Plugin]) -> list[dict[str, Any]]:

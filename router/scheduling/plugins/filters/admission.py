@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from router.scheduling.plugins.base import Filter
 from router.scheduling.snapshot import Candidate, Snapshot
 
@@ -32,3 +34,16 @@ class Admission(Filter):
         if p.max_inflight_tokens is not None and tokens > p.max_inflight_tokens:
             return SATURATED if load.requests else None  # one oversized request alone is still admitted
         return None
+
+    def mask(self, snap: Snapshot) -> np.ndarray:
+        p, cols = self.params, snap.cols
+        ok = np.ones(snap.size, dtype=bool)
+        busy = cols.has_load & (cols.requests > 0)
+        if p.max_inflight_requests is not None:
+            ok &= ~(cols.has_load & (cols.requests >= p.max_inflight_requests))
+        if p.max_inflight_tokens is not None:
+            ok &= ~(busy & (cols.prompt_tokens + snap.request.prompt_tokens > p.max_inflight_tokens))
+        return ok
+
+    def reason(self, snap: Snapshot, slot: int) -> str:
+        return SATURATED

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from router.scheduling.plugins.base import Filter
 from router.scheduling.snapshot import Candidate, Snapshot
+
+NOT_IN_SUBSET = "not in subset hint"
 
 
 class InSubset(Filter):
@@ -13,4 +17,15 @@ class InSubset(Filter):
         subset = snap.request.subset
         if subset is None or cand.worker_id in subset or cand.endpoint.address in subset:
             return None
-        return "not in subset hint"
+        return NOT_IN_SUBSET
+
+    def mask(self, snap: Snapshot) -> np.ndarray:
+        subset = snap.request.subset
+        if subset is None:
+            return np.ones(snap.size, dtype=bool)
+        return np.fromiter((wid in subset or ep.address in subset for wid, ep in zip(snap.ids, snap.endpoint_list,
+                                                                                    strict=True)),
+                           dtype=bool, count=snap.size)
+
+    def reason(self, snap: Snapshot, slot: int) -> str:
+        return NOT_IN_SUBSET

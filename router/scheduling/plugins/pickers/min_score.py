@@ -3,10 +3,17 @@ workers share the load."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
+from itertools import repeat
+
+import numpy as np
 
 from router.scheduling.plugins.base import Picker
 from router.scheduling.snapshot import Candidate, Snapshot
+
+# up to this many candidates ``rank`` sorts them as ``pick`` does; more: ``min_score_order`` (the same order)
+SORTED_UP_TO = 32
 
 
 class MinScore(Picker):
@@ -16,3 +23,29 @@ class MinScore(Picker):
         rng = self.rng
         order = sorted(zip(cands, scores, strict=True), key=lambda cs: (round(cs[1], 9), rng.random()))
         return [c.worker_id for c, _ in order]
+
+    def rank(self, snap: Snapshot, slots: np.ndarray, scores: Sequence[float]) -> list[str]:
+        ids = list(map(snap.ids.__getitem__, slots.tolist()))
+        if len(ids) <= SORTED_UP_TO:  # a few: Python's sort, as ``pick``, costs less than the arrays
+            rng = self.rng
+            order = sorted(zip(ids, scores, strict=True), key=lambda cs: (round(cs[1], 9), rng.random()))
+            return [w for w, _ in order]
+        return list(map(ids.__getitem__, min_score_order(scores, self.rng).tolist()))
+
+
+def min_score_order(scores: Sequence[float], rng: random.Random) -> np.ndarray:
+    """``pick``'s order as positions: by ``round(score, 9)``, ties by one ``rng.random()`` each, drawn in the
+    candidates' order (so the generator moves exactly as ``pick`` moves it). Sorted on the scores themselves
+    first; Python's ``round`` is asked only of neighbours within 1e-8, the only ones it could merge."""
+    n = len(scores)
+    draws = np.array(list(map(random.Random.random, repeat(rng, n))))
+    s = np.asarray(scores, dtype=float)
+    by_score = np.argsort(s, kind="stable")
+    ss = s[by_score]
+    with np.errstate(invalid="ignore"):  # inf - inf: equal, as they round
+        gap = np.diff(ss)
+    boundary = gap > 1e-8  # apart by more than 1e-8: they round apart; equal: they round alike
+    for k in np.flatnonzero(~boundary & (gap != 0)).tolist():
+        boundary[k] = round(float(ss[k]), 9) != round(float(ss[k + 1]), 9)
+    group = np.concatenate(([0], np.cumsum(boundary)))
+    return by_score[np.lexsort((draws[by_score], group))]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from router.scheduling.plugins.base import Picker
 from router.scheduling.snapshot import Candidate, Snapshot
 
@@ -17,6 +19,12 @@ class RoundRobin(Picker):
 
     def pick(self, snap: Snapshot, cands: Sequence[Candidate], scores: Sequence[float]) -> list[str]:
         ids = sorted(c.worker_id for c in cands)
+        start = self.next % len(ids)
+        self.next += 1
+        return ids[start:] + ids[:start]
+
+    def rank(self, snap: Snapshot, slots: np.ndarray, scores: Sequence[float]) -> list[str]:
+        ids = sorted(snap.ids[i] for i in slots.tolist())
         start = self.next % len(ids)
         self.next += 1
         return ids[start:] + ids[:start]

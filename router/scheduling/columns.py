@@ -1,0 +1,142 @@
+"""Per-worker facts as arrays, one slot per worker (in the endpoints' order), kept up to date where they change.
+
+A decision over a thousand workers must not build a thousand objects or call a thousand functions: it reads
+these columns and works on arrays. They are refreshed at the start of each decision for the workers whose facts
+changed since the last one (the load tracker, the metrics scrapes and the cost model's fits name them), so the
+refresh costs the workers that changed, not the fleet. Facts that change behind the state's back (the index's
+residency, the event feed's sync, the endpoints' flags, which callers may set directly) are not held here: the
+snapshot reads them per decision.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from router.scheduling.state import FleetState
+    from router.scheduling.types import Endpoint
+
+_NAN = float("nan")
+
+
+class FleetColumns:
+    """The fleet's per-worker columns (float64 arrays indexed by slot). ``None`` facts are NaN (metrics) or 0
+    (capacity, load), with ``has_load`` / ``has_metrics`` saying which."""
+
+    LOAD = ("requests", "prompt_tokens", "pending", "decoding", "output_tokens", "active_blocks")
+    METRICS = ("waiting", "running", "kv", "scraped_at")  # the engine view (``FleetState.engine_view``)
+    OTHER = ("capacity", "ttft_slope", "decode_slope", "decode_intercept")
+
+    def __init__(self, state: FleetState) -> None:
+        self._state = state
+        self.ids: list[str] = []
+        self.slot: dict[str, int] = {}
+        self.endpoints: list[Endpoint] = []
+        self._rebuild()
+
+    # ---- upkeep -----------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Bring the columns up to date: re-read the workers that changed (all of them if the fleet did)."""
+        st = self._state
+        eps = st.endpoints
+        if len(eps) != len(self.ids) or list(eps) != self.ids:
+            self._rebuild()
+        else:
+            changed = st.load.changed | st.changed | st.cost.changed
+            slot = self.slot
+            for wid in changed:
+                i = slot.get(wid)
+                if i is not None:
+                    self._read(i, wid)
+        st.load.changed.clear()
+        st.changed.clear()
+        st.cost.changed.clear()
+        self.endpoints = list(eps.values())
+
+    def _rebuild(self) -> None:
+        st = self._state
+        self.ids = list(st.endpoints)
+        self.slot = {w: i for i, w in enumerate(self.ids)}
+        n = len(self.ids)
+        for name in (*self.LOAD, *self.METRICS, *self.OTHER):
+            setattr(self, name, np.zeros(n))
+        self.has_load = np.zeros(n, dtype=bool)
+        self.has_metrics = np.zeros(n, dtype=bool)
+        # each worker's memory-release schedule (``LoadTracker.release_schedule``) as padded rows: finish times
+        # (padded with the last one) and blocks freed by then (padded with +inf); ``release_step`` is the decode
+        # step a row was made for (NaN: none yet, or stale)
+        self.release_step = np.full(n, _NAN)
+        self.release_ends = np.zeros((n, 1))
+        self.release_freed = np.full((n, 1), np.inf)
+        for i, wid in enumerate(self.ids):
+            self._read(i, wid)
+
+    def _read(self, i: int, wid: str) -> None:
+        st = self._state
+        w = st.load.workers.get(wid)
+        if w is None:
+            self.has_load[i] = False
+            self.requests[i] = self.prompt_tokens[i] = self.pending[i] = 0.0
+            self.decoding[i] = self.output_tokens[i] = self.active_blocks[i] = 0.0
+        else:
+            self.has_load[i] = True
+            self.requests[i], self.prompt_tokens[i] = w.requests, w.prompt_tokens
+            self.pending[i], self.decoding[i] = w.pending_prefill_tokens, w.decoding
+            self.output_tokens[i], self.active_blocks[i] = w.output_tokens, w.active_blocks
+        m = st.metrics.get(wid)
+        if m is None:
+            self.has_metrics[i] = False
+            self.waiting[i] = self.running[i] = self.kv[i] = self.scraped_at[i] = _NAN
+        else:
+            v = st.engine_view(wid, m)
+            assert v is not None
+            self.has_metrics[i] = True
+            self.scraped_at[i] = m.scraped_at
+            self.waiting[i] = _NAN if v.waiting is None else v.waiting
+            self.running[i] = _NAN if v.running is None else v.running
+            self.kv[i] = _NAN if v.kv_usage is None else v.kv_usage
+        self.capacity[i] = st.cache_tokens.get(wid) or 0
+        prof = st.cost.profile(wid)
+        self.ttft_slope[i] = prof.ttft.slope
+        self.decode_slope[i], self.decode_intercept[i] = prof.decode.slope, prof.decode.intercept
+        self.release_step[i] = _NAN
+
+    # ---- memory release ---------------------------------------------------------------------------
+    def release_waits(self, slots: np.ndarray, blocks: np.ndarray, steps: np.ndarray, now: float) -> np.ndarray:
+        """``LoadTracker.release_wait_s`` for each of ``slots`` (every one with requests in flight), freeing
+        ``blocks`` at decode step ``steps``: one binary search per row, all rows at once."""
+        stale = np.flatnonzero(~(self.release_step[slots] == steps))  # positions in ``slots``
+        if len(stale):
+            tracker, ids = self._state.load, self.ids
+            rows = []
+            for i, step in zip(slots[stale].tolist(), steps[stale].tolist(), strict=True):
+                rows.append((i, step, *tracker.release_schedule(tracker.workers[ids[i]], step)))
+            width = max(len(ends) for _, _, ends, _ in rows) + 1  # one pad at least: every search finds a slot
+            if width > self.release_ends.shape[1]:
+                n, old = len(self.ids), self.release_ends.shape[1]
+                ends = np.zeros((n, width))
+                ends[:, :old] = self.release_ends
+                ends[:, old:] = self.release_ends[:, old - 1 : old]
+                freed = np.full((n, width), np.inf)
+                freed[:, :old] = self.release_freed
+                self.release_ends, self.release_freed = ends, freed
+            for i, step, ends_i, freed_i in rows:
+                k = len(ends_i)
+                self.release_ends[i, :k] = ends_i
+                self.release_ends[i, k:] = ends_i[-1]
+                self.release_freed[i, :k] = freed_i
+                self.release_freed[i, k:] = np.inf
+                self.release_step[i] = step
+        # bisect_left on every row at once: a few gathers of one value per row (the rows end in +inf, so the
+        # last column always answers), whatever the widest worker's schedule
+        freed = self.release_freed
+        lo = np.zeros(len(slots), dtype=np.int64)
+        hi = np.full(len(slots), freed.shape[1] - 1, dtype=np.int64)
+        for _ in range(int(freed.shape[1] - 1).bit_length()):
+            mid = (lo + hi) // 2
+            enough = freed[slots, mid] >= blocks
+            hi = np.where(enough, mid, hi)
+            lo = np.where(enough, lo, mid + 1)
+        return np.maximum(0.0, self.release_ends[slots, lo] - now)

@@ -1,0 +1,277 @@
+"""The vector forms of the decision path answer exactly what the per-candidate forms answer, on random fleets:
+the built-in filters' masks and reasons, the latency-cost scorer's arrays against the per-candidate objective
+(``Columns`` rows, ``Snapshot.memory_wait_s``), the min-score picker's order; and the decision's lazily built
+reports are the ones its consumers read."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from router.events.feed import WorkerFeed
+from router.index import Medium
+from router.load import EngineMetrics, tail_blocks
+from router.scheduling import Endpoint, RouteRequest, RoutingConfig, RoutingCore
+from router.scheduling.cost import Columns
+from router.scheduling.plugins.base import Filter, Scorer
+from router.scheduling.plugins.filters.admission import Admission, AdmissionParams
+from router.scheduling.plugins.filters.healthy import Healthy
+from router.scheduling.plugins.filters.in_subset import InSubset
+from router.scheduling.plugins.filters.not_draining import NotDraining
+from router.scheduling.plugins.filters.serves_model import ServesModel
+from router.scheduling.plugins.pickers import min_score
+from router.scheduling.plugins.pickers.min_score import MinScore
+from router.scheduling.plugins.pickers.random_pick import RandomPick
+from router.scheduling.plugins.pickers.round_robin import RoundRobin
+from router.scheduling.plugins.scorers import latency_cost
+from router.scheduling.plugins.scorers.latency_cost import LatencyCost
+from router.scheduling.snapshot import Snapshot
+
+BS = 16
+NOW = 100.0
+
+
+@pytest.fixture(autouse=True, params=["small-fleet paths", "array paths"])
+def paths(request, monkeypatch):
+    """Every test twice: with the scorer's and the picker's few-worker shortcuts (a scalar memory wait per
+    worker, Python's sort) as they are, and with the arrays forced for any fleet."""
+    if request.param == "array paths":
+        monkeypatch.setattr(latency_cost, "SCALAR_WAITS", 0)
+        monkeypatch.setattr(min_score, "SORTED_UP_TO", 0)
+
+
+def chain(rng: random.Random, n: int, base: list[int] | None = None) -> list[int]:
+    """Block keys: a prefix of ``base`` (when given) then fresh ones (prefix-closed, as real keys are)."""
+    keep = base[: rng.randrange(len(base) + 1)] if base else []
+    return keep + [rng.getrandbits(62) for _ in range(n - len(keep))]
+
+
+def random_fleet(seed: int, n: int | None = None, tight: bool = False) -> tuple[RoutingCore, RouteRequest]:
+    """A fleet with a bit of everything: unhealthy, draining, prefill-only and model-bound workers, workers
+    without events, unsynced and suspect feeds, stale ones, loads that share the request's prefix, metrics
+    fresh, stale and partial, capacities near full, fitted profiles, index hits on GPU and CPU, and
+    speculative prefixes. ``tight``: caches the requests in flight nearly fill, so the memory wait is priced."""
+    rng = random.Random(seed)
+    core = RoutingCore(RoutingConfig(block_size=BS, seed=seed, max_inflight_requests=rng.choice([None, 4, 6]),
+                                     max_inflight_tokens=rng.choice([None, 20_000])))
+    n = n or rng.randrange(1, 40)
+    prompt_blocks = rng.randrange(40 if tight else 1, 60)
+    keys = chain(rng, prompt_blocks)
+    prompt_tokens = prompt_blocks * BS + rng.randrange(BS)
+    for j in range(n):
+        wid = f"w{j}"
+        core.upsert_endpoint(Endpoint(
+            wid, f"10.0.0.{j}:8000", models=rng.choice([frozenset(), frozenset({"a"}), frozenset({"b"})]),
+            loras=rng.choice([frozenset(), frozenset({"l"})]), healthy=rng.random() > 0.1,
+            draining=rng.random() < 0.1, events=rng.random() > 0.1,
+            role=rng.choice(["both", "both", "both", "prefill", "decode"])))
+        held = chain(rng, rng.randrange(0, prompt_blocks + 5), keys)
+        if held:
+            core.index.store(wid, range(j * 10_000, j * 10_000 + len(held)), held,
+                             rng.choice([Medium.GPU, Medium.GPU, Medium.CPU]))
+        for r in range(rng.randrange(2 if tight else 0, 6)):
+            own = chain(rng, rng.randrange(0, prompt_blocks + 3), keys if rng.random() < 0.5 else None)
+            core.load.dispatch(f"{wid}-{r}", wid, len(own) * BS + 5, rng.randrange(0, 500), rng.randrange(1, 200),
+                               NOW - rng.uniform(0, 0.1 if tight else 5), predicted_ttft_s=rng.choice([None, 0.05]),
+                               keys=own, block_size=BS)
+            if rng.random() < 0.5:
+                core.load.first_token(f"{wid}-{r}", NOW - rng.uniform(0, 1))
+        if tight or rng.random() < 0.8:
+            core.update_metrics(wid, EngineMetrics(
+                rng.choice([None, 0.0, 2.0, 7.0]), rng.choice([None, 1.0, 3.0]), rng.choice([None, 0.3, 0.95]),
+                scraped_at=NOW - rng.choice([0.1, 0.5, 5.0]),
+                cache_tokens=rng.choice([60 * BS, 120 * BS] if tight else [None, 200 * BS, 800 * BS])))
+        if rng.random() < 0.3:  # a fitted profile
+            for _ in range(10):
+                core.cost.observe_ttft(wid, 0.05, 0.05 * rng.uniform(0.5, 2.0))
+                core.cost.observe_step(wid, 0.01, 0.01 * rng.uniform(0.5, 2.0))
+        u = rng.random()
+        if u < 0.1:
+            core.feeder.feeds[wid] = WorkerFeed(wid, synced=False)
+        elif u < 0.2:
+            core.worker_failed(wid, NOW - 1)
+        elif u < 0.3:
+            core.state.awaiting_events_since[wid] = NOW - 60
+        if rng.random() < 0.1:
+            core.state.speculative.record(wid, keys[: rng.randrange(len(keys) + 1)], NOW - 0.5)
+    subset = frozenset(f"w{j}" for j in range(n) if rng.random() < 0.7) if rng.random() < 0.3 else None
+    req = RouteRequest("q", keys, prompt_tokens, BS, max_tokens=rng.randrange(1, 300),
+                       model=rng.choice([None, "a", "b"]), lora=rng.choice([None, None, "l"]), subset=subset,
+                       role=rng.choice(["decode", "decode", "prefill"]))
+    return core, req
+
+
+FILTERS: list[Filter] = [Healthy(), NotDraining(), InSubset(), ServesModel(), Admission(AdmissionParams(3, None)),
+                         Admission(AdmissionParams(None, 5000)), Admission(AdmissionParams(2, 3000))]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_filter_masks_equal_the_per_candidate_filters(seed):
+    core, req = random_fleet(seed)
+    snap = Snapshot(core.state, req, NOW)
+    for f in FILTERS:
+        mask = f.mask(snap)
+        verdicts = [f.filter(snap, c) for c in snap.candidates]
+        assert mask.tolist() == [v is None for v in verdicts], f.type_name
+        for i, v in enumerate(verdicts):
+            if v is not None:
+                assert f.reason(snap, i) == v
+
+
+def reference_latency_cost(snap: Snapshot, cands: list) -> list[float]:
+    """The objective per candidate, as the scorer computed it before it was vectorised: a ``Columns`` row and a
+    memory wait (``Snapshot.memory_wait_s``) per candidate."""
+    req, costs = snap.request, snap.costs
+    matches = snap.matches()
+    keys = req.keys
+    tail = tail_blocks(req.prompt_tokens, len(keys), req.max_tokens, req.block_size)
+    cols = Columns(req.prompt_tokens, req.block_size, req.max_tokens)
+    for c in cands:
+        load, capacity = c.load, c.capacity_tokens
+        new = len(keys) - (load.shared_prefix_blocks(keys) if load else 0) + tail
+        wait = 0.0
+        if capacity and load is not None and load.requests:
+            step = costs.profile(c.worker_id).decode_step_s(load.active_blocks * req.block_size / capacity)
+            wait = snap.memory_wait_s(c, step)
+        cols.add(costs, c.worker_id, matches.get(c.worker_id), load, c.metrics, new,
+                 snap.resident_tokens(c) if capacity else 0, capacity, wait)
+    est = costs.estimate_many(cols, snap.reuse)
+    return est.scores().tolist(), est
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_latency_cost_arrays_equal_the_per_candidate_objective(seed):
+    core, req = random_fleet(seed)
+    snap = Snapshot(core.state, req, NOW)
+    rng = random.Random(seed)
+    keep = np.array([i for i in range(snap.size) if rng.random() < 0.8], dtype=np.int64)
+    snap.set_eligible_slots(keep)
+    got = LatencyCost().score_slots(snap, keep).tolist()
+    want, est = reference_latency_cost(snap, snap.eligible)
+    assert got == want  # to the last bit: the picker's ties depend on it
+    for k, c in enumerate(snap.eligible):  # the terms the reports show
+        assert (c.queue_s, c.prefill_s, c.eviction_s, c.model_ttft_s) == (
+            float(est.queue_s[k]), float(est.prefill_s[k]), float(est.eviction_s[k]), float(est.model_ttft_s[k]))
+        m = snap.prefix(c)
+        assert c.matched_blocks == (0 if m is None else m.gpu + m.cpu + m.storage)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_memory_wait_arrays_equal_the_per_candidate_wait(seed):
+    """Nearly full caches: the memory wait (a vector mask, then one binary search per row of the release
+    schedules) equals each worker's own ``release_wait_s``, and is priced somewhere."""
+    core, req = random_fleet(seed, n=30, tight=True)
+    snap = Snapshot(core.state, req, NOW)
+    got = LatencyCost().score_slots(snap, np.arange(snap.size)).tolist()
+    assert got == reference_latency_cost(snap, snap.candidates)[0]
+    assert any(snap.memory_wait_s(c, 0.01) > 0 for c in snap.candidates)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_latency_cost_after_the_fleet_changes_between_decisions(seed):
+    """The columns follow the writes between decisions (dispatches, completions, scrapes, fits): each decision
+    still equals the per-candidate objective."""
+    core, req = random_fleet(seed, n=12)
+    rng = random.Random(seed)
+    for step in range(8):
+        snap = Snapshot(core.state, req, NOW)
+        everyone = np.arange(snap.size)
+        got = LatencyCost().score_slots(snap, everyone).tolist()
+        assert got == reference_latency_cost(snap, snap.candidates)[0], step
+        wid = f"w{rng.randrange(12)}"
+        u = rng.random()
+        if u < 0.4:
+            core.load.dispatch(f"x{step}", wid, 300, 100, 50, NOW, keys=chain(rng, 10, list(req.keys)),
+                               block_size=BS)
+        elif u < 0.6 and core.load.inflight:
+            core.load.complete(rng.choice(sorted(core.load.inflight)), NOW)
+        elif u < 0.8:
+            core.update_metrics(wid, EngineMetrics(1.0, 2.0, 0.5, scraped_at=NOW, cache_tokens=300 * BS))
+        else:
+            core.cost.observe_ttft(wid, 0.05, 0.2)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_min_score_rank_equals_pick(seed):
+    rng = random.Random(seed)
+    n = rng.randrange(1, 60)
+    # ties exact, ties within rounding, near ties either side of it, infinities
+    pool = [0.5, 0.5 + 1e-12, 0.5 + 4e-10, 0.5 + 6e-10, 1.0, 2.0, float("inf"), 0.123456789049, 0.12345678905]
+    scores = [rng.choice(pool) if rng.random() < 0.6 else rng.uniform(0, 3) for _ in range(n)]
+    core, req = random_fleet(seed, n=n)
+    snap = Snapshot(core.state, req, NOW)
+    slots = np.arange(n)
+    a, b = MinScore(rng=random.Random(7)), MinScore(rng=random.Random(7))
+    assert a.rank(snap, slots, scores) == b.pick(snap, snap.candidates, scores)
+    assert a.rng.random() == b.rng.random()  # the generator moved alike
+    for cls in (RandomPick, RoundRobin):
+        a, b = cls(rng=random.Random(3)), cls(rng=random.Random(3))
+        for _ in range(3):
+            assert a.rank(snap, slots, scores) == b.pick(snap, snap.candidates, scores)
+
+
+class PerCandidateOnly(Filter):
+    """A third-party filter with no vector form."""
+
+    type_name = "test-odd-workers"
+
+    def filter(self, snap, cand):
+        return "odd" if int(cand.worker_id[1:]) % 2 else None
+
+
+class LoadOnly(Scorer):
+    type_name = "test-load-only"
+
+    def score(self, snap, cands):
+        return [float(c.inflight) for c in cands]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_decisions_with_per_candidate_plugins(seed):
+    """A profile mixing vector and per-candidate plugins decides as one whose filters and picker are asked
+    per candidate: same ranking, same reports, same reasons (the latency-cost scorer's per-candidate form is
+    checked against the objective above)."""
+    core, req = random_fleet(seed, n=20)
+    other, _ = random_fleet(seed, n=20)
+    for c in (core, other):
+        c.profile.filters.append(PerCandidateOnly())
+        c.profile.scorers.append((LoadOnly(), 0.5))
+    for f in other.profile.filters:  # the same filters, without their vector forms
+        f.mask = lambda snap: None  # type: ignore[method-assign]
+    other.profile.picker.rank = lambda snap, slots, scores: None  # type: ignore[method-assign]
+    a, b = core.decide(req, NOW), other.decide(req, NOW)
+    assert (a.outcome, a.reason, a.ranked, a.uncached_tokens, a.predicted_ttft_s) == (
+        b.outcome, b.reason, b.ranked, b.uncached_tokens, b.predicted_ttft_s)
+    assert [c.as_dict() for c in a.candidates] == [c.as_dict() for c in b.candidates]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_lazy_reports(seed):
+    """``Decision.report`` builds one candidate's report, the same object the full list holds later; the full
+    list has every worker once, the eligible ones first, the filtered with their reasons."""
+    core, req = random_fleet(seed, n=25)
+    d = core.decide(req, NOW)
+    if d.outcome != "routed":
+        assert all(c.filtered for c in d.candidates)
+        return
+    chosen = d.report(d.chosen)
+    assert chosen is not None and chosen.filtered is None
+    assert d.report("nobody") is None
+    reports = d.candidates
+    assert sorted(c.worker_id for c in reports) == sorted(core.endpoints)
+    assert next(c for c in reports if c.worker_id == d.chosen) is chosen
+    eligible = [c for c in reports if not c.filtered]
+    assert reports[: len(eligible)] == eligible
+    assert sorted(c.worker_id for c in eligible) == sorted(d.ranked)
+    assert d.report(d.chosen) is chosen
+    assert chosen.score == min(c.score for c in eligible)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_prefix_credited_without_the_reports(seed):
+    core, req = random_fleet(seed, n=15)
+    d = core.decide(req, NOW)
+    lazy = d.prefix_credited
+    assert lazy == any(c.prefix_credit for c in d.candidates if not c.filtered) == d.prefix_credited
