@@ -588,9 +588,13 @@ class CompactKvIndex:
         lst = 3 * slot + int(medium)
         unknown = 0
         lo, hi = _I64_MIN, _I64_END
-        et, mh, ml, mc = self._ehash.mv, self._mh, self._ml, self._mc
+        et, mh, mk, ml, mc = self._ehash.mv, self._mh, self._mk, self._ml, self._mc
         esize, ehome, spread = len(et), self._ehash.homes, _wrap64(lst * _LIST_MULT)
-        m32, mult, empty = _M32, _MULT32, _EMPTY
+        m = int(medium)
+        kt, sk = self._ktab[m].mv, self._s_kv[m]
+        ksize, khome = len(kt), self._ktab[m].homes
+        m32, mult, empty, tomb, no_list = _M32, _MULT32, _EMPTY, _TOMB, _NO_LIST
+        dropped = 0
         for h in engine_hashes:  # _efind inlined, as in ``store``
             v = h if type(h) is int and lo <= h < hi else self._hash_value(h, None)[0]
             x = v ^ spread
@@ -604,10 +608,31 @@ class CompactKvIndex:
                     pos = 0
             if row < 0:
                 unknown += 1
-            elif mc[row] > 1:
+                continue
+            if mc[row] > 1:
                 mc[row] -= 1
+                continue
+            # _drop_row inlined for its common case, a key this entry alone holds (the call costs as much)
+            k = mk[row]
+            kpos = ((((k ^ (k >> 32)) & m32) * mult) & m32) * khome >> 32
+            while True:
+                val = kt[kpos]
+                if val == empty or (val >= 0 and mk[val] == k) or (val <= -3 and sk[-3 - val] == k):
+                    break
+                kpos += 1
+                if kpos == ksize:
+                    kpos = 0
+            if val >= 0 and not self._originals:
+                et[pos] = tomb
+                kt[kpos] = tomb
+                ml[row] = no_list
+                dropped += 1
             else:
                 self._drop_row(row, pos)
+        if dropped:
+            self._holes += dropped
+            self._list_len[lst] -= dropped
+            self._entries -= dropped
         return unknown
 
     def _drop_row(self, row: int, pos: int | None = None) -> None:
