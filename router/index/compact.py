@@ -431,7 +431,9 @@ class CompactKvIndex:
         ehome, khome = self._ehash.homes, self._ktab[m].homes
         spread = _wrap64(lst * _LIST_MULT)
         m32, mult, empty = _M32, _MULT32, _EMPTY  # (locals: the loop runs once per block)
-        added = 0
+        ktab, sk = self._ktab[m], self._s_kv[m]
+        rows = self._rows  # (written back before any call that reads it)
+        added = keys_added = 0
         for i in range(n):
             v, other = mapped[i]
             x = v ^ spread
@@ -444,13 +446,15 @@ class CompactKvIndex:
                 if pos == esize:
                     pos = 0
             if row >= 0:  # stored again: one more copy, moved to the end (most recently stored)
+                self._rows = rows
                 self._store_again(row, pos, m)
+                rows = self._rows
                 mh, mk, ml, mc = self._mh, self._mk, self._ml, self._mc  # (a count may have widened)
                 continue
             k = ks[i]
-            new = self._rows
+            new = rows
             mh[new], mk[new], ml[new], mc[new] = v, k, lst, 1
-            self._rows = new + 1
+            rows = new + 1
             et[pos] = new
             added += 1
             kpos = ((((k ^ (k >> 32)) & m32) * mult) & m32) * khome >> 32
@@ -458,10 +462,12 @@ class CompactKvIndex:
                 val = kt[kpos]
                 if val == empty:
                     kt[kpos] = new
-                    self._ktab[m].used += 1
+                    keys_added += 1
                     break
-                if (val >= 0 and mk[val] == k) or (val <= -3 and self._s_kv[m][-3 - val] == k):
+                if (val >= 0 and mk[val] == k) or (val <= -3 and sk[-3 - val] == k):
+                    self._rows = rows
                     self._hold(m, slot, k, new)  # others hold it too: a shared row
+                    sk = self._s_kv[m]  # (the shared rows may have grown)
                     break
                 kpos += 1
                 if kpos == ksize:
@@ -472,6 +478,8 @@ class CompactKvIndex:
                     self._originals[v] = [engine_hashes[i], 1]
                 else:
                     orig[1] += 1
+        self._rows = rows
+        ktab.used += keys_added
         self._ehash.used += added
         self._list_len[lst] += added
         self._entries += added
