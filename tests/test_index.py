@@ -124,6 +124,33 @@ def test_same_hash_stored_twice_needs_two_removals(Index):
 
 
 @LAYOUTS
+def test_a_hash_on_two_media_under_two_keys_releases_each_mediums_own_key(Index):
+    """Each (medium, engine hash) entry keeps the key it was stored with: removing it from one medium drops that
+    medium's holder bit and no other (one shared hash -> key map per worker dropped the wrong one)."""
+    index = Index()
+    index.store("a", [5], [1], Medium.GPU)
+    index.store("a", [5], [2], Medium.CPU)
+    assert index.resident_keys("a") == {Medium.GPU: {1}, Medium.CPU: {2}, Medium.STORAGE: set()}
+    assert index.remove("a", [5], Medium.GPU) == 0
+    assert not index.holds("a", 1, Medium.GPU) and index.holds("a", 2, Medium.CPU)
+    assert index.match([1]) == {} and index.match([2]) == {"a": PrefixMatch(gpu=0, cpu=1)}
+    assert index.key_of("a", 5) == 2
+
+
+@LAYOUTS
+def test_copies_and_shared_keys_survive_a_removal_of_one(Index):
+    """The rare cases the removal loop leaves to its slow path: a hash with two copies, two hashes under one key."""
+    index = Index()
+    index.store("a", [1, 2, 3], [10, 20, 20], Medium.GPU)  # hashes 2 and 3 share key 20
+    index.store("a", [1], [10], Medium.GPU)  # a second copy of hash 1
+    assert index.remove("a", [1, 2, 9], Medium.GPU) == 1
+    assert index.holds("a", 10) and index.holds("a", 20)
+    assert index.export_worker("a")[0].count == 1
+    assert index.remove("a", [1, 3], Medium.GPU) == 0
+    assert not index.holds("a", 10) and not index.holds("a", 20) and len(index) == 0
+
+
+@LAYOUTS
 def test_tiers_split_the_prefix_by_cheapest_medium(Index):
     index = Index()
     index.store("a", [1, 2], [10, 11], Medium.GPU)

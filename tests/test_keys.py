@@ -57,3 +57,20 @@ def test_bad_tokens_and_block_size_are_errors():
     with pytest.raises(ValueError):
         chain_keys([1, 2], 0)
     assert chain_keys([], 16, parent_key=ROOT_KEY) == []
+
+
+def test_one_none_extra_per_block_is_no_extras_and_every_token_container_agrees():
+    """vLLM sends ``extra_keys`` as one None per block: the keys are those of no extras at all, from a list,
+    a tuple, an array('I') or a numpy array of the same tokens."""
+    from array import array
+
+    tokens = list(range(1000, 1064))
+    keys = chain_keys(tokens, 16, parent_key=12345)
+    assert chain_keys(tokens, 16, 12345, [None] * 4) == keys
+    assert chain_keys(tuple(tokens), 16, 12345) == keys
+    assert chain_keys(array("I", tokens), 16, 12345) == keys
+    assert chain_keys(np.array(tokens, dtype=np.uint32), 16, 12345) == keys
+    salted = chain_keys(tokens, 16, 12345, [("s",), None, None, None])
+    assert salted[0] != keys[0] and all(a != b for a, b in zip(salted, keys, strict=True))
+    with pytest.raises(IndexError):
+        chain_keys(tokens, 16, 12345, [("s",), None])  # fewer extras than blocks

@@ -81,6 +81,9 @@ _MEDIA: dict[str | None, Medium] = {
 
 
 def medium_of(name: str | None) -> Medium:
+    medium = _MEDIA.get(name)  # the exact spelling first: one dict lookup per event
+    if medium is not None:
+        return medium
     try:
         return _MEDIA[name.upper() if name else None]
     except KeyError:

@@ -306,31 +306,47 @@ class IndexFeeder:
 
     def _apply_events(self, f: WorkerFeed, batch: EventBatch) -> Steps[None]:
         for event in batch.events:
-            kind = type(event).__name__
+            cls = type(event)
             try:
+                if (cls is BlockStored or cls is BlockRemoved) and len(event.block_hashes) <= SLICE_BLOCKS:
+                    # the common case, without the generator of slices: its cost per event is felt at the
+                    # few blocks a vLLM event carries
+                    if cls is BlockStored:
+                        self._stored(f, event)
+                    else:
+                        self._removed(f, event)
+                    self._work += len(event.block_hashes) + 1
+                    if self._work >= SLICE_BLOCKS:  # counted across batches: a long replay yields too
+                        self._work = 0
+                        yield
+                    f.events[cls.__name__] += 1
+                    continue
                 for piece in _slices(event, SLICE_BLOCKS):
                     if isinstance(piece, BlockStored):
                         self._stored(f, piece)
                     elif isinstance(piece, BlockRemoved):
-                        medium = medium_of(piece.medium)
-                        hashes = piece.block_hashes
-                        if f.rechunk is not None:  # pages first: what they do not hold may be plain blocks
-                            hashes = f.rechunk.remove(hashes, medium)
-                        if self.on_gpu_evicted is not None and medium is Medium.GPU:
-                            key_of, wid = self.index.key_of, f.worker_id
-                            self.on_gpu_evicted([k for h in hashes if (k := key_of(wid, h)) is not None])
-                        f.unknown_removals += self.index.remove(f.worker_id, hashes, medium)
+                        self._removed(f, piece)
                     elif isinstance(piece, AllBlocksCleared):
                         self._clear(f)
                         f.synced = True
                     self._work += len(getattr(piece, "block_hashes", ())) + 1
-                    if self._work >= SLICE_BLOCKS:  # counted across batches: a long replay yields too
+                    if self._work >= SLICE_BLOCKS:
                         self._work = 0
                         yield
             except (MalformedFrame, ValueError, OverflowError, TypeError, RecursionError):
                 f.malformed += 1  # (RecursionError: extra keys nested past what hashing them can walk)
                 continue
-            f.events[kind] += 1
+            f.events[cls.__name__] += 1
+
+    def _removed(self, f: WorkerFeed, ev: BlockRemoved) -> None:
+        medium = medium_of(ev.medium)
+        hashes = ev.block_hashes
+        if f.rechunk is not None:  # pages first: what they do not hold may be plain blocks
+            hashes = f.rechunk.remove(hashes, medium)
+        if self.on_gpu_evicted is not None and medium is Medium.GPU:
+            key_of, wid = self.index.key_of, f.worker_id
+            self.on_gpu_evicted([k for h in hashes if (k := key_of(wid, h)) is not None])
+        f.unknown_removals += self.index.remove(f.worker_id, hashes, medium)
 
     def _stored(self, f: WorkerFeed, ev: BlockStored) -> None:
         n = len(ev.block_hashes)

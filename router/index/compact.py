@@ -54,7 +54,12 @@ _MIN_SLOTS = 64
 _PAD = 64  # slots past the home range (see _Table)
 _NO_LIST = -1  # an entry row's list when the row is a hole
 _U64 = np.uint64
-_BULK = 32  # a store of this many blocks or more goes through numpy (below, scalar code is faster)
+# A store of this many blocks or more goes through numpy (below, scalar code is faster): measured crossover
+# about 400-500 blocks for lists of Python ints (what the event feed hands over; a numpy call costs about a
+# microsecond or more here, and converting the lists costs too), far lower for arrays and ranges.
+_BULK = 512
+_BULK_ARRAYS = 32
+_INT_ONLY = frozenset({int})
 _WINDOW = np.arange(8)  # slots a vectorised probe reads per key and round
 
 
@@ -403,7 +408,8 @@ class CompactKvIndex:
         if len(engine_hashes) != len(keys):
             raise ValueError("engine_hashes and keys differ in length")
         slot = self._worker(worker_id)
-        if len(keys) >= _BULK and self._store_many(slot, engine_hashes, keys, int(medium)):
+        bulk = _BULK if type(keys) is list else _BULK_ARRAYS
+        if len(keys) >= bulk and self._store_many(slot, engine_hashes, keys, int(medium)):
             if self._entries > self.capacity:
                 self._evict()
             return
@@ -425,7 +431,9 @@ class CompactKvIndex:
         ehome, khome = self._ehash.homes, self._ktab[m].homes
         spread = _wrap64(lst * _LIST_MULT)
         m32, mult, empty = _M32, _MULT32, _EMPTY  # (locals: the loop runs once per block)
-        added = 0
+        ktab, sk = self._ktab[m], self._s_kv[m]
+        rows = self._rows  # (written back before any call that reads it)
+        added = keys_added = 0
         for i in range(n):
             v, other = mapped[i]
             x = v ^ spread
@@ -438,13 +446,15 @@ class CompactKvIndex:
                 if pos == esize:
                     pos = 0
             if row >= 0:  # stored again: one more copy, moved to the end (most recently stored)
+                self._rows = rows
                 self._store_again(row, pos, m)
+                rows = self._rows
                 mh, mk, ml, mc = self._mh, self._mk, self._ml, self._mc  # (a count may have widened)
                 continue
             k = ks[i]
-            new = self._rows
+            new = rows
             mh[new], mk[new], ml[new], mc[new] = v, k, lst, 1
-            self._rows = new + 1
+            rows = new + 1
             et[pos] = new
             added += 1
             kpos = ((((k ^ (k >> 32)) & m32) * mult) & m32) * khome >> 32
@@ -452,10 +462,12 @@ class CompactKvIndex:
                 val = kt[kpos]
                 if val == empty:
                     kt[kpos] = new
-                    self._ktab[m].used += 1
+                    keys_added += 1
                     break
-                if (val >= 0 and mk[val] == k) or (val <= -3 and self._s_kv[m][-3 - val] == k):
+                if (val >= 0 and mk[val] == k) or (val <= -3 and sk[-3 - val] == k):
+                    self._rows = rows
                     self._hold(m, slot, k, new)  # others hold it too: a shared row
+                    sk = self._s_kv[m]  # (the shared rows may have grown)
                     break
                 kpos += 1
                 if kpos == ksize:
@@ -466,6 +478,8 @@ class CompactKvIndex:
                     self._originals[v] = [engine_hashes[i], 1]
                 else:
                     orig[1] += 1
+        self._rows = rows
+        ktab.used += keys_added
         self._ehash.used += added
         self._list_len[lst] += added
         self._entries += added
@@ -489,8 +503,8 @@ class CompactKvIndex:
     def _store_many(self, slot: int, engine_hashes: Sequence[EngineHash], keys: Sequence[int], m: int) -> bool:
         """``store`` in numpy, for a batch of int hashes none of which the list holds yet (a worker's bulk
         load, a snapshot, a long prompt); False, with nothing changed, when the batch is not such a batch."""
-        for seq in (engine_hashes, keys):
-            if not (isinstance(seq, range | np.ndarray) or all(type(x) is int for x in seq)):
+        for seq in (engine_hashes, keys):  # (the types of a list's items gathered in C: no bytecode per block)
+            if not (isinstance(seq, range | np.ndarray) or set(map(type, seq)) <= _INT_ONLY):
                 return False
         try:
             v, wrapped = _array64(engine_hashes)
@@ -588,9 +602,13 @@ class CompactKvIndex:
         lst = 3 * slot + int(medium)
         unknown = 0
         lo, hi = _I64_MIN, _I64_END
-        et, mh, ml, mc = self._ehash.mv, self._mh, self._ml, self._mc
+        et, mh, mk, ml, mc = self._ehash.mv, self._mh, self._mk, self._ml, self._mc
         esize, ehome, spread = len(et), self._ehash.homes, _wrap64(lst * _LIST_MULT)
-        m32, mult, empty = _M32, _MULT32, _EMPTY
+        m = int(medium)
+        kt, sk = self._ktab[m].mv, self._s_kv[m]
+        ksize, khome = len(kt), self._ktab[m].homes
+        m32, mult, empty, tomb, no_list = _M32, _MULT32, _EMPTY, _TOMB, _NO_LIST
+        dropped = 0
         for h in engine_hashes:  # _efind inlined, as in ``store``
             v = h if type(h) is int and lo <= h < hi else self._hash_value(h, None)[0]
             x = v ^ spread
@@ -604,10 +622,31 @@ class CompactKvIndex:
                     pos = 0
             if row < 0:
                 unknown += 1
-            elif mc[row] > 1:
+                continue
+            if mc[row] > 1:
                 mc[row] -= 1
+                continue
+            # _drop_row inlined for its common case, a key this entry alone holds (the call costs as much)
+            k = mk[row]
+            kpos = ((((k ^ (k >> 32)) & m32) * mult) & m32) * khome >> 32
+            while True:
+                val = kt[kpos]
+                if val == empty or (val >= 0 and mk[val] == k) or (val <= -3 and sk[-3 - val] == k):
+                    break
+                kpos += 1
+                if kpos == ksize:
+                    kpos = 0
+            if val >= 0 and not self._originals:
+                et[pos] = tomb
+                kt[kpos] = tomb
+                ml[row] = no_list
+                dropped += 1
             else:
                 self._drop_row(row, pos)
+        if dropped:
+            self._holes += dropped
+            self._list_len[lst] -= dropped
+            self._entries -= dropped
         return unknown
 
     def _drop_row(self, row: int, pos: int | None = None) -> None:

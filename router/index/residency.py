@@ -3,9 +3,11 @@
 Layout, chosen for the match loop (the hot path):
 - ``_holders[medium]``: block key -> bitmask of worker slots holding it on that medium. A match walks the
   request's keys once, AND-ing a mask of still-matching workers, and stops as soon as it is empty.
-- per worker, ``hash_to_key`` (engine hash -> our key, so ``BlockRemoved`` and parent hashes resolve) and,
-  per medium, an insertion-ordered refcount map ``engine hash -> count`` (the same hash can be stored
-  twice, in different physical blocks). Insertion order doubles as the index's own LRU order.
+- per worker and medium, an insertion-ordered map ``engine hash -> our key`` (so ``BlockRemoved`` and parent
+  hashes resolve); insertion order doubles as the index's own LRU order. The same hash can be stored twice,
+  in different physical blocks: the copies beyond the first are counted in a side map, ``extra_copies``
+  (rare), so that the common block costs one dict entry, and a store or removal as few dict operations as
+  there can be (ingest runs them for every block of every event).
 
 Memory is bounded by ``capacity`` (worker, medium, engine-hash) entries: beyond it the worker holding
 the most entries loses its oldest ones, the ones its engine is likeliest to have evicted already.
@@ -59,12 +61,15 @@ class BlockEntry:
 @dataclass(slots=True)
 class _WorkerBlocks:
     slot: int
-    hash_to_key: dict[EngineHash, int] = field(default_factory=dict)
-    refs: tuple[dict[EngineHash, int], ...] = field(default_factory=lambda: ({}, {}, {}))
+    held: tuple[dict[EngineHash, int], ...] = field(default_factory=lambda: ({}, {}, {}))  # per medium
+    extra_copies: dict[tuple[int, EngineHash], int] = field(default_factory=dict)  # (medium, hash) -> copies - 1
 
     @property
     def entries(self) -> int:
-        return sum(len(r) for r in self.refs)
+        return sum(len(r) for r in self.held)
+
+    def copies(self, medium: int, h: EngineHash) -> int:
+        return 1 + self.extra_copies.get((medium, h), 0)
 
 
 class KvIndex:
@@ -105,9 +110,8 @@ class KvIndex:
         bit = 1 << w.slot
         for medium in MEDIA:
             holders = self._holders[medium]
-            refs = w.refs[medium]
-            for h in refs:
-                key = w.hash_to_key[h]
+            refs = w.held[medium]
+            for key in refs.values():
                 mask = holders.get(key, 0) & ~bit
                 if mask:
                     holders[key] = mask
@@ -115,7 +119,7 @@ class KvIndex:
                     holders.pop(key, None)
             dropped += len(refs)
             refs.clear()
-        w.hash_to_key.clear()
+        w.extra_copies.clear()
         for k in [k for k in self._dup_keys if k[0] == w.slot]:
             del self._dup_keys[k]
         self._entries -= dropped
@@ -131,26 +135,34 @@ class KvIndex:
     # ---- events --------------------------------------------------------------------------
     def key_of(self, worker_id: str, engine_hash: EngineHash) -> int | None:
         w = self._workers.get(worker_id)
-        return None if w is None else w.hash_to_key.get(engine_hash)
+        if w is None:
+            return None
+        for held in w.held:  # (GPU first: where the parent of a new block nearly always is)
+            key = held.get(engine_hash)
+            if key is not None:
+                return key
+        return None
 
     def store(
         self, worker_id: str, engine_hashes: Sequence[EngineHash], keys: Sequence[int], medium: Medium
     ) -> None:
         """Record blocks stored by a worker (one BlockStored event)."""
         w = self._worker(worker_id)
-        refs = w.refs[medium]
+        held = w.held[medium]
         holders = self._holders[medium]
-        hash_to_key = w.hash_to_key
         bit = 1 << w.slot
         added = 0
+        pop_hash, get_mask = held.pop, holders.get
         for h, key in zip(engine_hashes, keys, strict=True):
-            count = refs.pop(h, 0)  # pop + reinsert: most recently stored goes last (LRU order)
-            refs[h] = count + 1
-            if count:
+            old = pop_hash(h, None)  # pop + reinsert: most recently stored goes last (LRU order)
+            if old is not None:  # stored again: one more copy, under the key it has
+                held[h] = old
+                copy = (medium, h)
+                w.extra_copies[copy] = w.extra_copies.get(copy, 0) + 1
                 continue
+            held[h] = key
             added += 1
-            hash_to_key[h] = key
-            mask = holders.get(key, 0)
+            mask = get_mask(key, 0)
             if mask & bit:
                 dup = (w.slot, medium, key)
                 self._dup_keys[dup] = self._dup_keys.get(dup, 0) + 1
@@ -165,24 +177,41 @@ class KvIndex:
         w = self._workers.get(worker_id)
         if w is None:
             return sum(1 for _ in engine_hashes)
-        refs = w.refs[medium]
-        unknown = 0
+        held = w.held[medium]
+        # _drop_entry inlined (a call per block costs as much as the block's own work); the rare cases (a
+        # hash with more than one copy, a key two hashes share) take the slow path
+        extra, holders, dup_keys = w.extra_copies, self._holders[medium], self._dup_keys
+        keep = ~(1 << w.slot)
+        unknown = dropped = 0
         for h in engine_hashes:
-            count = refs.get(h)
-            if count is None:
+            if extra or dup_keys:
+                if h not in held:
+                    unknown += 1
+                elif (copy := (medium, h)) in extra:
+                    n = extra[copy] - 1
+                    if n:
+                        extra[copy] = n
+                    else:
+                        del extra[copy]
+                else:
+                    self._drop_entry(w, medium, h)
+                continue
+            key = held.pop(h, None)
+            if key is None:
                 unknown += 1
-            elif count > 1:
-                refs[h] = count - 1
-            else:
-                self._drop_entry(w, medium, h)
+                continue
+            dropped += 1
+            mask = holders.pop(key, 0) & keep  # one dict operation for a key this worker alone held
+            if mask:
+                holders[key] = mask
+        self._entries -= dropped
         return unknown
 
     def _drop_entry(self, w: _WorkerBlocks, medium: Medium, h: EngineHash) -> None:
-        del w.refs[medium][h]
+        """Forget one (medium, hash) entry of a worker, whatever its copies."""
+        key = w.held[medium].pop(h)
+        w.extra_copies.pop((medium, h), None)
         self._entries -= 1
-        key = w.hash_to_key[h]
-        if not any(h in r for r in w.refs):
-            del w.hash_to_key[h]
         self._release_key(w, medium, key)
 
     def _release_key(self, w: _WorkerBlocks, medium: Medium, key: int) -> None:
@@ -206,8 +235,8 @@ class KvIndex:
         target = self.capacity - max(1, self.capacity // 100)
         while self._entries > target:
             w = max(self._workers.values(), key=lambda x: x.entries)
-            medium = max(MEDIA, key=lambda m: len(w.refs[m]))
-            refs = w.refs[medium]
+            medium = max(MEDIA, key=lambda m: len(w.held[m]))
+            refs = w.held[medium]
             excess = min(len(refs), self._entries - target)
             for h in list(refs)[:excess]:
                 self._drop_entry(w, medium, h)
@@ -220,7 +249,7 @@ class KvIndex:
         w = self._workers.get(worker_id)
         if w is None:
             return []
-        return [BlockEntry(m, h, w.hash_to_key[h], count) for m in MEDIA for h, count in w.refs[m].items()]
+        return [BlockEntry(m, h, key, w.copies(m, h)) for m in MEDIA for h, key in w.held[m].items()]
 
     def import_worker(self, worker_id: str, entries: Iterable[BlockEntry]) -> None:
         """Replace one worker's residency with ``entries`` (as ``export_worker`` gave them)."""
@@ -238,23 +267,23 @@ class KvIndex:
         w = self._workers.get(worker_id)
         if w is None:
             return {m: 0 for m in MEDIA}
-        return {m: len(w.refs[m]) for m in MEDIA}
+        return {m: len(w.held[m]) for m in MEDIA}
 
     def blocks_held_on(self, worker_id: str, medium: Medium) -> int:
         w = self._workers.get(worker_id)
-        return len(w.refs[medium]) if w is not None else 0
+        return len(w.held[medium]) if w is not None else 0
 
     def resident_keys(self, worker_id: str) -> dict[Medium, set[int]]:
         """Every key a worker holds, per medium (for tests and debugging; O(blocks))."""
         w = self._workers.get(worker_id)
         if w is None:
             return {m: set() for m in MEDIA}
-        return {m: {w.hash_to_key[h] for h in w.refs[m]} for m in MEDIA}
+        return {m: set(w.held[m].values()) for m in MEDIA}
 
     def engine_hashes(self, worker_id: str) -> dict[Medium, set[EngineHash]]:
         """Every engine hash a worker holds, per medium (for tests and debugging)."""
         w = self._workers.get(worker_id)
-        return {m: set(w.refs[m]) if w else set() for m in MEDIA}
+        return {m: set(w.held[m]) if w else set() for m in MEDIA}
 
     def holds(self, worker_id: str, key: int, medium: Medium = Medium.GPU) -> bool:
         w = self._workers.get(worker_id)
