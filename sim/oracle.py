@@ -182,7 +182,7 @@ class OracleCost(Scorer):
         pending = 0
         ahead = 0
         for q in engine.running:
-            if not q.output:
+            if not q.n_out:
                 pending += max(0, q.num_tokens - q.num_computed)
             end = q.prompt_len + q.max_tokens if footprint else q.num_tokens
             ahead += max(0, -(-end // bs) - len(q.block_ids))
@@ -201,7 +201,7 @@ class OracleCost(Scorer):
         need = -(-(prompt_tokens + (max_tokens if footprint else 0)) // bs) - gpu
         room = pool.num_free - ahead
         wait = 0.0 if need <= room else self._release_wait(engine, need - room, footprint)
-        remaining = sum(q.max_tokens - len(q.output) for q in engine.running)
+        remaining = sum(q.max_tokens - q.n_out for q in engine.running)
         metrics = EngineMetrics(None, len(engine.running), pool.usage, 0.0)
         in_use = sum(1 for b in gpu_ids if pool.blocks[b].ref_cnt > 0)  # hits shared with requests running there
         new_blocks = max(0, -(-(prompt_tokens + max_tokens) // bs) - in_use)
@@ -219,7 +219,7 @@ class OracleCost(Scorer):
             own = sum(1 for b in q.block_ids if pool.blocks[b].ref_cnt == 1)
             if footprint:
                 own += max(0, -(-(q.prompt_len + q.max_tokens) // bs) - len(q.block_ids))
-            ends.append(((q.max_tokens - len(q.output)) * step_s, own))
+            ends.append(((q.max_tokens - q.n_out) * step_s, own))
         if not ends:
             return 0.0
         ends.sort()

@@ -280,7 +280,9 @@ class Simulation:
     def _step_end(self, w: str, result: StepResult, now: float) -> list[RequestRecord]:
         finished = []
         records, prefilling = self.records, self.prefilling
-        for out in result.outputs:  # one per running request: the simulator's innermost loop
+        # only first tokens and finishes: a decode token changes nothing here (a request's token count is its
+        # engine request's, read when it finishes), so the engine's array batch makes no object for it
+        for out in result.notable:
             rid = out.request.request_id
             if prefilling:
                 split = prefilling.pop(rid, None)
@@ -288,12 +290,12 @@ class Simulation:
                     self._prefilled(out.request, split, now)
                     continue
             rec = records[rid]
-            rec.output_tokens += out.count
             if out.first:
                 rec.first_token_at = now
                 rec.cached_tokens = out.request.num_cached_tokens or 0
                 self.core.first_token(rec.request_id, now)
             if out.finished:
+                rec.output_tokens = out.request.n_out
                 rec.finished_at = now
                 self.core.completed(rec.request_id, now, output_tokens=rec.output_tokens)
                 finished.append(rec)
