@@ -8,6 +8,7 @@ robin). A fourth Envoy, on the lighter stream too, uses a second picker run as `
 (one port, shared load; its cluster caps streams per connection so Envoy opens several connections for the
 kernel to spread over the processes). Interleaved rounds: concurrency 1 latency p50/p99 of short completions,
 concurrency 32 requests/s, and the pickers' CPU time per pick from /proc (all of a picker's processes).
+``python -m bench.epp_bench --baseline REV`` puts this tree's picker against git REV's in one run instead.
 """
 
 from __future__ import annotations
