@@ -8,6 +8,7 @@ robin). A fourth Envoy, on the lighter stream too, uses a second picker run as `
 (one port, shared load; its cluster caps streams per connection so Envoy opens several connections for the
 kernel to spread over the processes). Interleaved rounds: concurrency 1 latency p50/p99 of short completions,
 concurrency 32 requests/s, and the pickers' CPU time per pick from /proc (all of a picker's processes).
+``python -m bench.epp_bench --baseline REV`` puts this tree's picker against git REV's in one run instead.
 """
 
 from __future__ import annotations
@@ -113,3 +114,69 @@ def main(args: argparse.Namespace) -> int:
     print(f"added by the picker: p50 {res['added_p50_ms_c1']:.3f} ms, p99 {res['added_p99_ms_c1']:.3f} ms; "
           f"picker CPU {res['cpu_ms_per_pick']:.3f} ms per pick")
     return 0
+
+
+def against_revision(revision: str, rounds: int = 4, n: int = 600, body_mode: str = "FULL_DUPLEX_STREAMED"
+                     ) -> dict[str, Any]:
+    """``kvrouter epp`` of this tree against the same of git ``revision``, one process each, each behind its own
+    Envoy on the lighter stream (response headers only), and Envoy alone, in one run: interleaved rounds of
+    requests/s at concurrency 32 and the pickers' CPU per pick."""
+    import os
+    import subprocess
+    import sys
+
+    from bench.load import port_open, running
+
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="kvrouter-ab-") as tmp:
+        old_tree = os.path.join(tmp, "tree")
+        os.makedirs(old_tree)
+        archive = subprocess.run(["git", "-C", root, "archive", revision], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", old_tree], input=archive, check=True)
+        workers = sim_workers(stack, 2, "--time-scale", "0")
+        addrs = [w.address for w in workers]
+        listen = free_port()
+        stack.enter_context(envoy_process(bootstrap(listen_port=listen, admin_port=free_port(), picker_port=free_port(),
+                                                    workers=addrs, with_picker=False), Path(tmp)))
+        urls, pids = {"envoy": f"http://127.0.0.1:{listen}"}, {}
+        for name, tree in ((revision, old_tree), ("this tree", root)):
+            port = free_port()
+            cmd = [sys.executable, "-m", "router.cli", "epp", "--port", str(port), "--health-port", str(free_port()),
+                   "--metrics-port", str(free_port())]
+            for w in workers:
+                cmd += ["--worker", w.spec]
+            proc = stack.enter_context(running(cmd, port_open(port), 60, name, cwd=tree,
+                                               env={**os.environ, "PYTHONPATH": tree}))
+            listen = free_port()
+            cfg = bootstrap(listen_port=listen, admin_port=free_port(), picker_port=port, workers=addrs,
+                            response_mode="headers", body_mode=body_mode)
+            stack.enter_context(envoy_process(cfg, Path(tmp)))
+            urls[name], pids[name] = f"http://127.0.0.1:{listen}", proc.pid
+        rps: dict[str, list[float]] = {k: [] for k in urls}
+        cpu: dict[str, list[float]] = {k: [] for k in pids}
+        for r in range(rounds):
+            for name in list(urls) if r % 2 == 0 else list(urls)[::-1]:
+                before = _cpu_s(pids[name]) if name in pids else 0.0
+                res = asyncio.run(drive(urls[name] + "/v1/completions", _bodies(n, r), 32))
+                if res.errors:
+                    raise RuntimeError(f"{name}: {res.errors} failed requests")
+                rps[name].append(res.rps)
+                if name in pids:
+                    cpu[name].append((_cpu_s(pids[name]) - before) * 1e3 / n)
+    alone = statistics.median(rps["envoy"])
+    out: dict[str, Any] = {"envoy": {"rps_c32": round(alone, 1)}}
+    for name in pids:
+        out[name] = {"rps_c32": round(statistics.median(rps[name]), 1),
+                     "rps_c32_vs_envoy": round(statistics.median(rps[name]) / alone, 3),
+                     "cpu_ms_per_pick": round(statistics.median(cpu[name]), 3)}
+    return out
+
+
+if __name__ == "__main__":  # python -m bench.epp_bench --baseline REV
+    cli = argparse.ArgumentParser(description="this tree's picker against a git revision's, in one run")
+    cli.add_argument("--baseline", required=True, help="a git revision, e.g. HEAD~3")
+    cli.add_argument("--rounds", type=int, default=4)
+    cli.add_argument("--body-mode", default="FULL_DUPLEX_STREAMED", choices=("FULL_DUPLEX_STREAMED", "BUFFERED"))
+    given = cli.parse_args()
+    print(json.dumps(against_revision(given.baseline, given.rounds, body_mode=given.body_mode), indent=2))

@@ -7,6 +7,8 @@ process and with ``--processes 2`` (one port, shared load), and ``smg`` (cache_a
 use every core. Concurrency 1: latency p50/p99 of short non-streamed completions; concurrency 32:
 requests/s. The router's CPU time per request (all its processes) is read from /proc. ``ratios`` compares
 ``kvrouter --processes 2`` with smg in the same run: requests/s at 32 and added p50 at 1.
+``python -m bench.proxy_bench --baseline REV [--processes N] [--smg]`` puts this tree's proxy against git REV's in
+one run (interleaved rounds), smg beside them when asked.
 """
 
 from __future__ import annotations
@@ -217,10 +219,11 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def against_revision(revision: str, rounds: int = 6, n: int = 600) -> dict[str, Any]:
-    """``kvrouter serve`` of this tree against the same of git ``revision``, one process each, in one run:
-    interleaved rounds of c1 latency, c32 requests/s and CPU per request (the least noisy of the three on a
-    shared machine)."""
+def against_revision(revision: str, rounds: int = 6, n: int = 600, processes: int = 1,
+                     with_smg: bool = False) -> dict[str, Any]:
+    """``kvrouter serve`` of this tree against the same of git ``revision`` (``--processes N`` each), and smg
+    when asked, in one run: interleaved rounds of c1 latency, c32 requests/s and CPU per request (the least noisy
+    of the three on a shared machine). With smg: each tree's ``ratios`` against it, as ``run`` computes them."""
     import subprocess
     import sys
     import tempfile
@@ -235,19 +238,27 @@ def against_revision(revision: str, rounds: int = 6, n: int = 600) -> dict[str, 
         workers = sim_workers(stack, 2, "--time-scale", "0")
         urls, pids = {}, {}
         for name, tree in ((revision, old_tree), ("this tree", root)):
-            port = free_port()
+            port, admin = free_port(), free_port()
             cmd = [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                   "--admin-port", str(free_port()), "--policy", "precise"]
+                   "--admin-port", str(admin), "--policy", "precise", "--processes", str(processes)]
             for w in workers:
                 cmd += ["--worker", w.spec]
             proc = stack.enter_context(running(cmd, port_open(port), 60, name, cwd=tree,
                                                env={**os.environ, "PYTHONPATH": tree}))
+            if processes > 1:
+                _wait_processes(f"http://127.0.0.1:{admin}", processes)
             urls[name], pids[name] = f"http://127.0.0.1:{port}", proc.pid
-        lat: dict[str, list[float]] = {k: [] for k in urls}
+        if with_smg:
+            urls["smg"] = stack.enter_context(smg([w.url for w in workers]))
+            pids["smg"] = _listening_pid(int(urls["smg"].rsplit(":", 1)[1]))
+        direct = [w.url for w in workers]
+        lat: dict[str, list[float]] = {k: [] for k in [*urls, "direct"]}
         rps: dict[str, list[float]] = {k: [] for k in urls}
         cpu: dict[str, list[float]] = {k: [] for k in urls}
         for r in range(rounds):
-            for name, url in urls.items():
+            lat["direct"] += asyncio.run(_c1(direct, n // 4, r * n))
+            for name in list(urls) if r % 2 == 0 else list(urls)[::-1]:
+                url = urls[name]
                 lat[name] += asyncio.run(_c1([url], n // 4, r * n))
                 before = _cpu_s(pids[name])
                 res = asyncio.run(drive(url + "/v1/completions", _bodies(n, r), 32))
@@ -255,14 +266,29 @@ def against_revision(revision: str, rounds: int = 6, n: int = 600) -> dict[str, 
                     raise RuntimeError(f"{name}: {res.errors} failed requests")
                 cpu[name].append((_cpu_s(pids[name]) - before) * 1e3 / n)
                 rps[name].append(res.rps)
-    return {name: {"p50_ms_c1": round(statistics.median(lat[name]), 3),
-                   "rps_c32": round(statistics.median(rps[name]), 1),
-                   "cpu_ms_per_request": round(statistics.median(cpu[name]), 3)} for name in urls}
+    direct_p50 = statistics.median(lat["direct"])
+    out: dict[str, Any] = {"direct": {"p50_ms_c1": round(direct_p50, 3)}}
+    for name in urls:
+        out[name] = {"p50_ms_c1": round(statistics.median(lat[name]), 3),
+                     "added_p50_ms_c1": round(statistics.median(lat[name]) - direct_p50, 3),
+                     "rps_c32": round(statistics.median(rps[name]), 1),
+                     "cpu_ms_per_request": round(statistics.median(cpu[name]), 3)}
+    if with_smg:
+        theirs = out["smg"]
+        for name in (revision, "this tree"):
+            mine = out[name]
+            mine["ratios"] = {"rps_c32_vs_smg": round(mine["rps_c32"] / theirs["rps_c32"], 3),
+                              "added_p50_c1_vs_smg": round(mine["added_p50_ms_c1"] / theirs["added_p50_ms_c1"], 3)
+                              if theirs["added_p50_ms_c1"] > 0 else None}
+    return out
 
 
 if __name__ == "__main__":  # python -m bench.proxy_bench --baseline REV
     cli = argparse.ArgumentParser(description="this tree's proxy against a git revision's, in one run")
     cli.add_argument("--baseline", required=True, help="a git revision, e.g. HEAD~3")
     cli.add_argument("--rounds", type=int, default=6)
+    cli.add_argument("--processes", type=int, default=1, help="kvrouter serve --processes N, both trees")
+    cli.add_argument("--smg", action="store_true", help="smg in the same run, and each tree's ratios against it")
     given = cli.parse_args()
-    print(json.dumps(against_revision(given.baseline, given.rounds), indent=2))
+    print(json.dumps(against_revision(given.baseline, given.rounds, processes=given.processes, with_smg=given.smg),
+                     indent=2))

@@ -142,7 +142,6 @@ def _load_router_config(args: argparse.Namespace, extra: dict) -> object:
 
 def _run_router(args: argparse.Namespace, command: str, extra: dict, runner: Callable) -> int:
     """Shared by serve and epp: logging, config (file + options) with clear errors, run until interrupted."""
-    import asyncio
     import logging
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -155,8 +154,10 @@ def _run_router(args: argparse.Namespace, command: str, extra: dict, runner: Cal
         from router.frontends.processes import supervise
 
         return supervise(command, config)
+    from router.frontends.event_loop import run
+
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(runner(config))
+        run(runner(config))
     return 0
 
 

@@ -161,7 +161,7 @@ def _build(cls: Any, data: dict[str, Any], where: str) -> Any:
 
 ENV_PREFIX = "KVROUTER_"
 # Read by the project's own tools, not config keys.
-_NOT_CONFIG = frozenset({"KVROUTER_VLLM_VENV"})
+_NOT_CONFIG = frozenset({"KVROUTER_VLLM_VENV", "KVROUTER_EVENT_LOOP"})  # the latter: router/frontends/event_loop.py
 # What Kubernetes injects for a Service named kvrouter or kvrouter-*: KVROUTER_SERVICE_HOST, KVROUTER_PORT,
 # KVROUTER_EPP_PORT_9002_TCP_ADDR, ... (never with a double underscore): ignored, not errors.
 _SERVICE_LINK = re.compile(r"^KVROUTER(_[A-Z0-9_]+)?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT"

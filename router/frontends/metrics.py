@@ -107,11 +107,27 @@ class RouterMetrics:
         self.decision_seconds = Histogram("kvrouter_decision_seconds", "Time to parse, tokenize and decide.",
                                           buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1),
                                           registry=r)
+        # label children bound once: ``labels()`` validates and locks on every call, which every request paid
+        # two or three times (a few label values each: statuses, and policy x outcome x credit)
+        self._by_status: dict[int | str, Counter] = {}
+        self._by_decision: dict[tuple[str, str, bool], Counter] = {}
+
+    def count_request(self, status: int | str) -> None:
+        """One request answered (or refused) with ``status``."""
+        child = self._by_status.get(status)
+        if child is None:
+            child = self._by_status.setdefault(status, self.requests.labels(str(status)))
+        child.inc()
 
     def count_decision(self, decision: Decision) -> None:
         """One routing decision, by policy, outcome and whether any candidate could be credited a prefix."""
         credited = any(c.prefix_credit for c in decision.candidates if not c.filtered)
-        self.decisions.labels(decision.policy, decision.outcome, str(credited).lower()).inc()
+        key = (decision.policy, decision.outcome, credited)
+        child = self._by_decision.get(key)
+        if child is None:
+            child = self._by_decision.setdefault(key, self.decisions.labels(decision.policy, decision.outcome,
+                                                                            str(credited).lower()))
+        child.inc()
 
     def exposition(self) -> bytes:
         """The text a scrape gets: this router's registry, or the counters summed over every process of the

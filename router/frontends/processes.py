@@ -35,6 +35,7 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
 from router.config import RouterConfig
+from router.frontends.event_loop import run
 from router.frontends.metrics import MULTIPROC_ENV
 from router.load.bus import IpcLoadBus, LoadBus, LoadSync, NatsLoadBus
 from router.load.exchange import LoadExchange, sanitize_replica_id
@@ -115,7 +116,7 @@ def _child(command: str, config: RouterConfig, slot: ProcessSlot, log_level: str
         with contextlib.suppress(asyncio.CancelledError):
             await runner(config, slot=slot)
 
-    asyncio.run(main())
+    run(main())
 
 
 # ---- the parent ----------------------------------------------------------------------------------------

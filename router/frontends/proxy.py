@@ -28,18 +28,27 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
+from yarl import URL
 
 from router.config import RouterConfig
 from router.frontends.api_paths import GENERATE_PATHS, TOKENIZER_PATHS
 from router.frontends.fleet import fleet_from_config
 from router.frontends.metrics import RouterMetrics
-from router.frontends.openai import BadRequest, ParsedRequest, RequestParser, SaltRule, merge_completions, salt_rule
+from router.frontends.openai import (
+    BadRequest,
+    ParsedRequest,
+    RequestParser,
+    SaltRule,
+    merge_completions,
+    new_request_id,
+    salt_rule,
+)
 from router.frontends.openai import error_response as error
 from router.frontends.processes import ProcessSlot, start_shared_load
 from router.index.digest import residency_digest
@@ -57,6 +66,17 @@ MAX_JSON_TAIL_BYTES = 4 * 1024 * 1024  # a non-streamed answer longer than this 
 WHOLE_BODY_BYTES = 1024 * 1024  # a non-streamed answer up to this long is read whole and sent in one write
 MAX_MERGED_BYTES = 64 * 1024 * 1024  # one prompt's answer in a batch is read whole (to merge): at most this
 RESPONSES_FIRST_TOKEN = b"response.output_text.delta"  # a Responses stream opens with events before any token
+MAX_UPSTREAM_URLS = 4096  # parsed worker URLs kept (workers x API paths; cleared past this)
+_decode_json = msgspec.json.Decoder().decode
+
+
+def _json_loads(data: bytes) -> Any:
+    """A worker's JSON answer: msgspec (several times json's speed, and this runs per answer), with json's
+    reading where msgspec refuses what json accepts (NaN, integers past 64 bits), so nothing reads differently."""
+    try:
+        return _decode_json(data)
+    except ValueError:
+        return json.loads(data)
 
 
 def cached_tokens_from(tail: bytes, streamed: bool) -> int | None:
@@ -64,10 +84,10 @@ def cached_tokens_from(tail: bytes, streamed: bool) -> int | None:
     there as a non-negative integer (a worker's answer is input too: it must not break the metrics)."""
     try:
         if not streamed:
-            return _cached_tokens(json.loads(tail))
+            return _cached_tokens(_json_loads(tail))
         for line in reversed(tail.split(b"\n")):
             if line.startswith(b"data: {") and b'"usage"' in line:
-                return _cached_tokens(json.loads(line[6:]))
+                return _cached_tokens(_json_loads(line[6:]))
     except (ValueError, RecursionError):
         return None
     return None
@@ -82,6 +102,40 @@ def _cached_tokens(answer: Any) -> int | None:
         details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
     n = details.get("cached_tokens") if isinstance(details, dict) else None
     return n if type(n) is int and n >= 0 else None
+
+
+class _LoggedDecision:
+    """One entry of ``/debug/decision``, rendered when it is read: building its dict (every candidate's report)
+    for every request cost the proxy 1.5% of its CPU, for a log read now and then. ``freeze`` renders it at
+    once, before anything changes the decision (a prefill/decode split re-credits its chosen candidate)."""
+
+    __slots__ = ("_frozen", "batch_index", "client_rid", "decision", "prompt_tokens", "rid", "time")
+
+    def __init__(self, rid: str, client_rid: str | None, prompt_tokens: int, decision: Decision,
+                 batch_index: int | None) -> None:
+        self.rid, self.client_rid, self.prompt_tokens = rid, client_rid, prompt_tokens
+        self.time = time.time()
+        self.decision, self.batch_index = decision, batch_index
+        self._frozen: dict[str, Any] | None = None
+
+    def freeze(self) -> None:
+        if self._frozen is None:
+            self._frozen = self.as_dict()
+
+    def set_disagg(self, disagg: dict[str, Any]) -> None:
+        """The split considered for it (set on the decision after it was logged)."""
+        self.freeze()
+        assert self._frozen is not None
+        self._frozen["disagg"] = disagg
+
+    def as_dict(self) -> dict[str, Any]:
+        if self._frozen is not None:
+            return self._frozen
+        entry = {"request_id": self.rid, "client_request_id": self.client_rid, "time": self.time,
+                 "prompt_tokens": self.prompt_tokens, **self.decision.as_dict()}
+        if self.batch_index is not None:  # one prompt of a batch, routed on its own
+            entry["batch_index"] = self.batch_index
+        return entry
 
 
 @dataclass(slots=True)
@@ -100,9 +154,14 @@ class ProxyServer:
         self.core = core or RoutingCore(config.routing)
         self.fleet = fleet_from_config(self.core, config)
         self.metrics = RouterMetrics(self.fleet)
-        self.decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=config.decision_log_size)
+        self.decisions: collections.deque[_LoggedDecision] = collections.deque(maxlen=config.decision_log_size)
         self.parser = RequestParser(self.tokenizer_for)
         self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[str, URL] = {}  # worker URL + path, parsed once (aiohttp would parse the string each time)
+        # the client headers never forwarded: with a trusted tenant header (salt.salt set), that one too
+        tenant = config.tenant_header.lower() if config.tenant_header else None
+        self._drop_headers = {False: frozenset(HOP_BY_HOP | DESTINATION_HEADERS),
+                              True: frozenset(HOP_BY_HOP | DESTINATION_HEADERS | ({tenant} if tenant else set()))}
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -152,7 +211,7 @@ class ProxyServer:
         try:
             return await request.read()
         except web.HTTPRequestEntityTooLarge:
-            self.metrics.requests.labels("413").inc()
+            self.metrics.count_request("413")
             return error(413, f"request body over the {self.config.max_body_bytes}-byte limit",
                          "RequestEntityTooLarge")
 
@@ -165,11 +224,11 @@ class ProxyServer:
             salt = salt_rule(request.headers, self.config.tenant_header, self.config.tenant_missing)
             parsed = await self.parser.parse(raw, request.path, salt, self.fleet.max_model_len())
         except BadRequest as e:
-            self.metrics.requests.labels(str(e.status)).inc()
+            self.metrics.count_request(e.status)
             return error(e.status, str(e), e.kind)
         if parsed.batch and parsed.kind == "completions" and not parsed.stream:
             return await self._generate_batch(request, parsed, salt, started)
-        rid = uuid.uuid4().hex  # ours: a client's x-request-id is forwarded, never used as a key
+        rid = new_request_id()  # ours: a client's x-request-id is forwarded, never used as a key
         lora = self.core.lora_of(parsed.model)
         rreq = await self.parser.route_request(parsed, rid, self.config.routing.block_size, lora=lora,
                                                session=request.headers.get(self.config.session_header))
@@ -179,9 +238,12 @@ class ProxyServer:
         headers = self._upstream_headers(request, salt)
         body = parsed.raw
         if parsed.splittable:
+            logged = self.decisions[-1] if self.decisions else None
+            if logged is not None and self.core.state.prefill_only:
+                logged.freeze()  # as decided: a split re-credits the chosen candidate
             plan = self.core.plan_prefill(rreq, decision, time.monotonic())
-            if decision.disagg is not None and self.decisions:
-                self.decisions[-1]["disagg"] = decision.disagg  # the split, in /debug/decision
+            if decision.disagg is not None and logged is not None:
+                logged.set_disagg(decision.disagg)  # the split, in /debug/decision
             if plan is not None:
                 body = await self._prefill_elsewhere(request.path, parsed, plan, headers)
             elif decision.disagg is not None:
@@ -217,7 +279,7 @@ class ProxyServer:
                 why = f"answered {up.status}"
                 ok = up.status == 200
             if ok:
-                params = json.loads(answer).get("kv_transfer_params")
+                params = _json_loads(answer).get("kv_transfer_params")
         except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as e:
             ok, why = False, repr(e)
             self.fleet.mark_failure(plan.worker_id)
@@ -251,15 +313,25 @@ class ProxyServer:
 
     def _refusal(self, decision: Decision, prefix: str = "") -> web.Response:
         if decision.outcome == "shed":
-            self.metrics.requests.labels("429").inc()
+            self.metrics.count_request("429")
             return error(429, prefix + "all workers are saturated; retry later", "TooManyRequests",
                          {"Retry-After": str(max(1, round(decision.retry_after_s)))})
-        self.metrics.requests.labels("503").inc()
+        self.metrics.count_request("503")
         return error(503, prefix + decision.reason, "ServiceUnavailableError")
 
     def _upstream_headers(self, request: web.Request, salt: SaltRule) -> dict[str, str]:
-        drop = HOP_BY_HOP | DESTINATION_HEADERS | ({self.config.tenant_header.lower()} if salt.salt else set())
+        drop = self._drop_headers[bool(salt.salt)]
         return {k: v for k, v in request.headers.items() if k.lower() not in drop}
+
+    def _upstream_url(self, base: str, path: str) -> URL:
+        """``base + path`` parsed, as aiohttp would parse the string (once per worker and path)."""
+        text = base + path
+        url = self._urls.get(text)
+        if url is None:
+            if len(self._urls) >= MAX_UPSTREAM_URLS:
+                self._urls.clear()
+            url = self._urls[text] = URL(text)
+        return url
 
     async def _forward(self, request: web.Request, rreq: RouteRequest, parsed: ParsedRequest, decision: Decision,
                        body: bytes, headers: dict[str, str], started: float) -> web.StreamResponse:
@@ -268,7 +340,7 @@ class ProxyServer:
         if upstream is None:
             if handle is not None:
                 handle.fail(time.monotonic())
-            self.metrics.requests.labels("502").inc()
+            self.metrics.count_request("502")
             return error(502, f"no worker could serve the request: {last_error}", "BadGatewayError")
         assert handle is not None
         return await self._relay(request, handle, parsed, upstream, started)
@@ -291,7 +363,7 @@ class ProxyServer:
             else:
                 handle.reassign(wid, time.monotonic())
             try:
-                upstream = await self._session.post(ep.url + path, data=body, headers=headers)
+                upstream = await self._session.post(self._upstream_url(ep.url, path), data=body, headers=headers)
             except (aiohttp.ClientConnectionError, TimeoutError) as e:
                 last_error = f"worker {wid} unreachable: {e!r}"
                 self._failed(wid, attempt, len(attempts))
@@ -320,7 +392,7 @@ class ProxyServer:
         plans: list[tuple[ParsedRequest, RouteRequest, Decision, Dispatch]] = []
         try:
             for i, sub in enumerate(subs):
-                rreq = await self.parser.route_request(sub, uuid.uuid4().hex, self.config.routing.block_size,
+                rreq = await self.parser.route_request(sub, new_request_id(), self.config.routing.block_size,
                                                        lora=lora, session=session)
                 decision = self._decide(rreq, request, started, batch_index=i)
                 if decision.outcome != "routed":
@@ -348,7 +420,7 @@ class ProxyServer:
         workers = {"x-kvrouter-worker": ",".join(a.worker for a in answers)}
         for i, a in enumerate(answers):
             if a.status != 200:  # the batch fails with its first failed prompt, as vLLM fails a whole batch
-                self.metrics.requests.labels(str(a.status)).inc()
+                self.metrics.count_request(a.status)
                 if a.body is not None and isinstance(a.body.get("message"), str):
                     return web.json_response({**a.body, "message": f"prompt[{i}]: {a.body['message']}"},
                                              status=a.status, headers=workers)
@@ -356,7 +428,7 @@ class ProxyServer:
                 return error(a.status, f"prompt[{i}]: {a.message}", kind, workers)
         merged = merge_completions([a.body for a in answers if a.body is not None], parsed.n)
         self.metrics.ttft.observe(time.monotonic() - started)
-        self.metrics.requests.labels("200").inc()
+        self.metrics.count_request("200")
         return web.json_response(merged, headers=workers)
 
     async def _answer(self, path: str, sub: ParsedRequest, rreq: RouteRequest, decision: Decision,
@@ -390,7 +462,7 @@ class ProxyServer:
         handle.complete(now, served=upstream.status < 400)
         upstream.release()
         try:
-            body = json.loads(data)
+            body = _json_loads(data)
         except (ValueError, RecursionError):
             body = None
         if not isinstance(body, dict):
@@ -416,9 +488,9 @@ class ProxyServer:
         try:
             answer = await self.parser.tokenizer_path(raw, request.path, self.fleet.max_model_len())
         except BadRequest as e:
-            self.metrics.requests.labels(str(e.status)).inc()
+            self.metrics.count_request(e.status)
             return error(e.status, str(e), e.kind)
-        self.metrics.requests.labels("200").inc()
+        self.metrics.count_request("200")
         return web.json_response(answer)
 
     def _failed(self, wid: str, attempt: int, attempts: int) -> None:
@@ -461,14 +533,14 @@ class ProxyServer:
             # the client went away: dropping the upstream connection cancels the request on the worker
             upstream.close()
             handle.complete(time.monotonic())
-            self.metrics.requests.labels("499").inc()
+            self.metrics.count_request("499")
             raise
         except (aiohttp.ClientError, TimeoutError) as e:  # the worker died mid-response: nothing can be retried
             log.warning("worker %s failed mid-response for %s: %r", wid, rid, e)
             upstream.close()
             self.fleet.mark_failure(wid)
             handle.complete(time.monotonic())
-            self.metrics.requests.labels("502").inc()
+            self.metrics.count_request("502")
             self.metrics.truncated.inc()
             await self._abort(request, resp, streamed and upstream.status == 200, f"worker {wid} failed: {e!r}")
             return resp
@@ -486,14 +558,14 @@ class ProxyServer:
         except asyncio.CancelledError:
             upstream.close()
             handle.complete(time.monotonic())
-            self.metrics.requests.labels("499").inc()
+            self.metrics.count_request("499")
             raise
         except (aiohttp.ClientError, TimeoutError) as e:
             log.warning("worker %s failed mid-response for %s: %r", wid, handle.request.request_id, e)
             upstream.close()
             self.fleet.mark_failure(wid)
             handle.complete(time.monotonic())
-            self.metrics.requests.labels("502").inc()
+            self.metrics.count_request("502")
             return error(502, f"worker {wid} failed: {e!r}", "BadGatewayError", {"x-kvrouter-worker": wid})
         self._answered(handle, upstream, body, False, started)
         return web.Response(status=upstream.status, body=body, headers=self._answer_headers(upstream, wid))
@@ -508,7 +580,7 @@ class ProxyServer:
             self.metrics.ttft.observe(now - started)
         handle.complete(now, served=upstream.status < 400)
         upstream.release()
-        self.metrics.requests.labels(str(upstream.status)).inc()
+        self.metrics.count_request(upstream.status)
         if upstream.status == 200:
             reported = cached_tokens_from(tail, streamed)
             self.metrics.hit_estimated.inc(handle.expected_hit_tokens)
@@ -531,11 +603,7 @@ class ProxyServer:
 
     def _log_decision(self, rid: str, client_rid: str | None, prompt_tokens: int, decision: Decision,
                       batch_index: int | None = None) -> None:
-        entry = {"request_id": rid, "client_request_id": client_rid, "time": time.time(),
-                 "prompt_tokens": prompt_tokens, **decision.as_dict()}
-        if batch_index is not None:  # one prompt of a batch, routed on its own
-            entry["batch_index"] = batch_index
-        self.decisions.append(entry)
+        self.decisions.append(_LoggedDecision(rid, client_rid, prompt_tokens, decision, batch_index))
         log.info("route %s -> %s (%s; %s)", rid, decision.chosen, decision.outcome, decision.reason)
 
     # ---- other endpoints ---------------------------------------------------------------------------
@@ -568,7 +636,15 @@ class ProxyServer:
             return error(400, "n must be an integer")
         if n < 0:
             return error(400, "n must not be negative")
-        return web.json_response({"decisions": list(self.decisions)[-n:] if n else []})
+        return web.json_response({"decisions": self.recent_decisions(n)})
+
+    def recent_decisions(self, n: int | None = None) -> list[dict[str, Any]]:
+        """The last ``n`` decisions logged (all that are kept: None), oldest first, as ``/debug/decision`` shows
+        them."""
+        if n == 0:
+            return []
+        entries = list(self.decisions)
+        return [d.as_dict() for d in (entries if n is None else entries[-n:])]
 
     async def workers_state(self, request: web.Request) -> web.Response:
         """Each worker's state; ``?digest=1`` adds its residency fingerprint (replicas compare them; O(blocks))."""

@@ -51,7 +51,7 @@ async def test_disagg_real_engines_prefill_on_one_decode_on_the_other_same_outpu
         external = metric(consumer, "vllm:external_prefix_cache_hits_total")
         async with proxy(pd_pair, specs=specs, **{"routing.disaggregation.mode": "always"}) as (server, url):
             st, got, h = await complete(s, url, text, max_tokens=8)
-            log = list(server.decisions)
+            log = server.recent_decisions()
         assert st == 200 and h["x-kvrouter-worker"] == "decode"
         assert log[-1]["disagg"]["split"] is True and log[-1]["disagg"]["prefill"] == "prefill"
     assert got["choices"][0]["text"] == want["choices"][0]["text"]  # temperature 0: the same tokens
