@@ -121,7 +121,7 @@ class RouterMetrics:
 
     def count_decision(self, decision: Decision) -> None:
         """One routing decision, by policy, outcome and whether any candidate could be credited a prefix."""
-        credited = any(c.prefix_credit for c in decision.candidates if not c.filtered)
+        credited = decision.prefix_credited
         key = (decision.policy, decision.outcome, credited)
         child = self._by_decision.get(key)
         if child is None:
