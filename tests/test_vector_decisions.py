@@ -275,3 +275,31 @@ def test_prefix_credited_without_the_reports(seed):
     d = core.decide(req, NOW)
     lazy = d.prefix_credited
     assert lazy == any(c.prefix_credit for c in d.candidates if not c.filtered) == d.prefix_credited
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_first_key_holders_follow_the_requests_in_flight(seed):
+    """The shared-prefix search is skipped when no request in flight starts with the prompt's first key: the
+    count must follow every dispatch, retry, completion and forgotten worker, or a search would be skipped wrongly."""
+    from collections import Counter
+
+    from router.load import LoadTracker
+
+    rng = random.Random(seed)
+    tracker = LoadTracker()
+    prefixes = [[rng.getrandbits(64) for _ in range(4)] for _ in range(3)]
+    for step in range(60):
+        op = rng.random()
+        if op < 0.55:
+            keys = rng.choice(prefixes)[: rng.randrange(0, 5)]
+            tracker.dispatch(f"r{rng.randrange(20)}", f"w{rng.randrange(4)}", 64, 64, 8, float(step), keys=keys)
+        elif op < 0.9 and tracker.inflight:
+            tracker.complete(rng.choice(sorted(tracker.inflight)), float(step))
+        else:
+            tracker.forget_worker(f"w{rng.randrange(4)}")
+        expected = Counter(r.keys[0] for r in tracker.inflight.values() if r.keys)
+        assert tracker.first_key_holders == dict(expected)
+        for w in tracker.workers.values():  # a worker's shared prefix is non-zero only where the count says so
+            for p in prefixes:
+                if w.shared_prefix_blocks(p):
+                    assert p[0] in tracker.first_key_holders

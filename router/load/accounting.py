@@ -74,9 +74,11 @@ class LoadTracker:
     # workers whose load changed since the fleet's columns last read them (router/scheduling/columns.py): a
     # decision over a thousand workers re-reads the one or two that changed, not all of them
     changed: set[str] = field(default_factory=set)
-    # prompt block key -> how many workers hold it in flight (``active_keys``): a decision whose first key no
-    # worker holds skips every worker's shared-prefix search
-    key_holders: dict[int, int] = field(default_factory=dict)
+    # first block key -> how many requests in flight start with it: a decision whose first key none starts with
+    # skips every worker's shared-prefix search. First keys only: keys are chained (each one hashes its parent),
+    # so a prompt's first key is never another prompt's later key (short of a 64-bit collision, which the index
+    # already assumes away), and counting one key per request keeps dispatch at one dict write per block
+    first_key_holders: dict[int, int] = field(default_factory=dict)
 
     def load(self, worker_id: str) -> WorkerLoad:
         self.changed.add(worker_id)  # every write goes through here
@@ -96,12 +98,12 @@ class LoadTracker:
         self.inflight[request_id] = InFlight(worker_id, prompt_tokens, uncached_tokens, max_tokens, now,
                                              predicted_ttft_s, None, keys, tail)
         w = self.load(worker_id)
-        active, holders = w.active_keys, self.key_holders
+        active = w.active_keys
         for k in keys:
-            held = active.get(k, 0)
-            if not held:
-                holders[k] = holders.get(k, 0) + 1
-            active[k] = held + 1
+            active[k] = active.get(k, 0) + 1
+        if keys:
+            holders = self.first_key_holders
+            holders[keys[0]] = holders.get(keys[0], 0) + 1
         w.tail_blocks += tail
         w.request_ids.add(request_id)
         w.release = None
@@ -135,7 +137,8 @@ class LoadTracker:
                 active[k] = left
             else:
                 del active[k]
-                self._unhold(k)
+        if r.keys:
+            self._unhold(r.keys[0])
         w.tail_blocks -= r.tail_blocks
         w.request_ids.discard(request_id)
         w.release = None
@@ -202,16 +205,15 @@ class LoadTracker:
     def forget_worker(self, worker_id: str) -> None:
         self.changed.add(worker_id)
         for rid in [rid for rid, r in self.inflight.items() if r.worker_id == worker_id]:
-            del self.inflight[rid]
-        w = self.workers.pop(worker_id, None)
-        if w is not None:
-            for k in w.active_keys:
-                self._unhold(k)
+            r = self.inflight.pop(rid)
+            if r.keys:
+                self._unhold(r.keys[0])
+        self.workers.pop(worker_id, None)
 
-    def _unhold(self, key: int) -> None:
-        """One worker fewer holds ``key`` in flight."""
-        left = self.key_holders[key] - 1
+    def _unhold(self, first_key: int) -> None:
+        """One request fewer in flight starts with ``first_key``."""
+        left = self.first_key_holders[first_key] - 1
         if left:
-            self.key_holders[key] = left
+            self.first_key_holders[first_key] = left
         else:
-            del self.key_holders[key]
+            del self.first_key_holders[first_key]

@@ -302,7 +302,7 @@ class Snapshot:
         """``WorkerLoad.shared_prefix_blocks`` of the request's keys for each of ``slots`` (0 without load)."""
         keys, tracker = self.request.keys, self._state.load
         out = np.zeros(len(slots))
-        if not keys or keys[0] not in tracker.key_holders:  # no request in flight anywhere starts with it
+        if not keys or keys[0] not in tracker.first_key_holders:  # no request in flight anywhere starts with it
             return out
         k0, loads, ids = keys[0], tracker.workers, self.ids
         get = loads.get
