@@ -109,6 +109,9 @@ def test_malformed_unsynced_and_unhealthy():
     assert d.problem == "unsynced" and "no replay endpoint" in d.cause
     d = diagnose_worker(core, "u", 0.1, spec=spec("u", replay="tcp://10.0.0.1:5558"))
     assert "tcp://10.0.0.1:5558" in d.cause
+    # a router following the event bus never dials the replay socket: the cause names the bus, not the endpoint
+    d = diagnose_worker(core, "u", 0.1, spec=spec("u", replay="tcp://10.0.0.1:5558"), events_bus="nats://bus:4222")
+    assert d.problem == "unsynced" and "nats://bus:4222" in d.cause and "tcp://10.0.0.1:5558" not in d.cause
     core.set_healthy("h", False)
     d = diagnose_worker(core, "h", 0.0, failures=2)
     assert d.problem == "unhealthy" and "http://h:8000/health" in d.cause

@@ -68,13 +68,15 @@ def diagnose_worker(
     core: RoutingCore, worker_id: str, now: float, *, spec: WorkerSpec | None = None, bind: str | None = None,
     bound_endpoint: str | None = None, ready: Iterable[str] | None = None, replay: str | None = None,
     engine_block_size: int | None = None, failures: int = 0, min_requests: int = MIN_REQUESTS,
+    events_bus: str | None = None,
 ) -> Diagnosis:
     """What is wrong with one worker at ``now``, if anything.
 
     ``spec``: its discovery entry (events/replay endpoints, topic); ``bind``/``bound_endpoint``: the router's
     bound SUB socket in bind mode; ``ready``: the dialled workers past their connect-time replay; ``replay``: the
     replay endpoint the router asks (defaults to the spec's); ``engine_block_size``: as its ``/metrics`` said;
-    ``failures``: its failed probes in a row.
+    ``failures``: its failed probes in a row; ``events_bus``: the bus the router follows instead of dialling
+    the engines (its relay, not the router, asks the engine's replay socket then).
     """
     ep = core.endpoints.get(worker_id)
     if ep is None:
@@ -101,7 +103,12 @@ def diagnose_worker(
             f"port?)"))
     if feed is not None and not feed.synced and feed.unsynced_since is not None:
         replay_ep = replay or (spec.replay if spec is not None else None)
-        if replay_ep:
+        if events_bus is not None:
+            where = (f"the router follows it on the event bus {events_bus}: records for it were missing on the bus "
+                     f"(purged by the stream's retention, or dropped from the relay's outbox while the bus was down: "
+                     f"kvrouter_bus_missed_total) or its relay could not fill the gap from the engine's replay socket "
+                     f"(the relay's log says which)")
+        elif replay_ep:
             where = (f"its replay endpoint {replay_ep} did not supply the missing range (wrong endpoint, not "
                      f"bound by the engine, or the gap is older than its replay buffer)")
         else:
@@ -163,7 +170,8 @@ def diagnose_fleet(fleet: Fleet, now: float, min_requests: int = MIN_REQUESTS) -
         wid: diagnose_worker(
             fleet.core, wid, now, spec=fleet.specs.get(wid), bind=sub.bind, bound_endpoint=sub.bound_endpoint,
             ready=sub.ready, replay=sub.replay_endpoints.get(wid), engine_block_size=sizes.get(wid),
-            failures=fleet.failures.get(wid, 0), min_requests=min_requests)
+            failures=fleet.failures.get(wid, 0), min_requests=min_requests,
+            events_bus=getattr(fleet, "events_bus", None))
         for wid in list(fleet.core.endpoints)
     }
 
