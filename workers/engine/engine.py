@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -365,6 +365,19 @@ class EngineModel:
     def _blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.config.block_size)
 
+    def _admit_waiting(self, budget: int) -> Iterator[tuple[EngineRequest, int, int]]:
+        """Start waiting requests in arrival order while the step's token budget and ``max_num_seqs`` allow,
+        stopping at the first that does not fit (no overtaking): each (request, tokens scheduled, tokens loaded
+        back from CPU). Both the array step and the reference step admit this way."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n, loaded = self._admit(req, budget)
+            if n == 0:
+                return
+            self.waiting.popleft()
+            budget -= n
+            yield req, n, loaded
+
     def _admit(self, req: EngineRequest, budget: int) -> tuple[int, int]:
         """Try to start a waiting request: (tokens scheduled, tokens loaded back from CPU); 0 = not admitted.
         It joins ``running`` with its counters on itself (the caller gives it a batch column)."""
@@ -442,15 +455,9 @@ class EngineModel:
             sched = np.zeros(0, dtype=np.int64)
         admitted: list[int] = []  # tokens scheduled for each admitted request, in admission order
         load_back = 0
-        while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
-            req = self.waiting[0]
-            n, loaded = self._admit(req, budget)
-            if n == 0:
-                break
-            self.waiting.popleft()
+        for _req, n, loaded in self._admit_waiting(budget):
             admitted.append(n)
             load_back += loaded
-            budget -= n
         if admitted:
             self._attach(n_run)
             sched = np.concatenate([sched, np.array(admitted, dtype=np.int64)])
@@ -693,15 +700,9 @@ class EngineModel:
                 decode_reqs += 1
             else:
                 prefill_tokens += n
-        while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
-            req = self.waiting[0]
-            n, loaded = self._admit(req, budget)
-            if n == 0:
-                break
-            self.waiting.popleft()
+        for req, n, loaded in self._admit_waiting(budget):
             schedule((req, n))
             load_back += loaded
-            budget -= n
             if n == 1 and req._n_out:
                 decode_reqs += 1
             else:
