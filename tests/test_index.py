@@ -95,9 +95,19 @@ def check_against_model(index, ops, queries) -> None:
             index.remove_worker(w)
             model.clear(w)
         for q in queries:
-            assert index.match(q) == model.match(q)
+            want = model.match(q)
+            assert index.match(q) == want
+            # the array form: by the index's slots, the same matches
+            slots, g, c, s = index.match_lengths(q)
+            owner = {index.slot_of(x): x for x in index.workers()}
+            assert {owner[i]: PrefixMatch(a, b, d) for i, a, b, d in
+                    zip(slots.tolist(), g.tolist(), c.tolist(), s.tolist(), strict=True)} == want
+    by_slot = {m: index.blocks_by_slot(m) for m in MEDIA}
     for w in WORKERS:
         assert index.blocks_held(w) == {m: len(model.refs[w, m]) for m in MEDIA}
+        slot = index.slot_of(w)
+        if slot is not None:
+            assert {m: int(by_slot[m][slot]) for m in MEDIA} == index.blocks_held(w)
         assert index.engine_hashes(w) == {m: set(model.refs[w, m]) for m in MEDIA}
     assert len(index) == sum(len(r) for r in model.refs.values())
 

@@ -169,8 +169,8 @@ def test_random_and_round_robin_never_walk_the_index():
     for policy, walks in (("random", False), ("round_robin", False), ("least_loaded", False), ("precise", True)):
         core = core_with(3, policy=policy)
         calls = []
-        real = core.index.match
-        core.state.index.match = lambda keys, _real=real, _calls=calls: (_calls.append(1), _real(keys))[1]
+        real = core.index.match_lengths
+        core.state.index.match_lengths = lambda keys, _real=real, _calls=calls: (_calls.append(1), _real(keys))[1]
         core.feeder.offer("w0", 0, EventBatch(0.0, [BlockStored(list(range(1, 11)), None, list(range(10 * BS)), BS,
                                                                 None, "GPU")], 0), 0.0)
         d = core.decide(route(list(range(10 * BS))), 0.1)

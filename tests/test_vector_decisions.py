@@ -303,3 +303,37 @@ def test_first_key_holders_follow_the_requests_in_flight(seed):
             for p in prefixes:
                 if w.shared_prefix_blocks(p):
                     assert p[0] in tracker.first_key_holders
+
+
+@pytest.mark.parametrize("layout", ["dicts", "compact"])
+def test_the_index_answer_lands_on_each_workers_own_slot(layout):
+    """The index answers by its own slots (``match_lengths``, ``blocks_by_slot``), which are not the fleet's:
+    workers stored in another order than the endpoints', a slot freed and reused, a worker the index knows and
+    the fleet does not, an endpoint the index has never heard of. Each fleet slot reads its own worker's."""
+    rng = random.Random(3)
+    core = RoutingCore(RoutingConfig(block_size=BS, index=layout))
+    keys = [rng.getrandbits(62) for _ in range(30)]
+    names = [f"w{j}" for j in range(12)]
+    held = {w: rng.randrange(0, 31) for w in names}
+    held["w3"] = 0  # an endpoint the index never hears of
+    h = 0
+    for w in ["gone", *reversed(names)]:  # the index's slots: the reverse of the fleet's order, after "gone"
+        n = 25 if w == "gone" else held[w]
+        if n:
+            core.index.store(w, range(h, h + n), keys[:n], Medium.GPU)
+            core.index.store(w, range(h + 100, h + 100 + n), [rng.getrandbits(62) for _ in range(n)], Medium.GPU)
+            h += 1000
+    core.index.remove_worker("w7")  # its slot is freed and taken again
+    core.index.store("w7", [h], keys[:1], Medium.GPU)
+    held["w7"] = 1
+    for w in names:
+        core.upsert_endpoint(Endpoint(w, f"10.0.0.{names.index(w) + 1}:8000"))
+    snap = Snapshot(core.state, RouteRequest("r", keys, len(keys) * BS, BS, 16), NOW)
+    arrays = snap.match_arrays()
+    got = {w: int(arrays["matched_gpu"][snap.slot[w]]) for w in names}
+    assert got == held
+    resident = snap.resident_blocks(np.arange(snap.size))
+    assert {w: int(resident[snap.slot[w]]) for w in names} == {
+        w: core.index.blocks_held_on(w, Medium.GPU) for w in names}
+    assert core.index.blocks_held_on("w7", Medium.GPU) == 1
+    assert snap.matches()["w5"] == core.index.match(keys).get("w5")

@@ -195,6 +195,7 @@ class CompactKvIndex:
         self._slot: dict[str, int] = {}  # insertion order: the order ties in eviction go by
         self._owner: dict[int, str] = {}
         self._free_slots: list[int] = []
+        self.slot_epoch = 0  # +1 whenever a worker takes or gives up a slot (callers cache slot maps by it)
         self._list_len: list[int] = [0, 0, 0]  # entries per list (slot x 3 + medium)
         self._unsigned: set[int] = set()  # slots that sent uint64 hashes above 2^63 (they come back unsigned)
         self._unsigned_keys = False  # keys above 2^63 seen: keys come back unsigned
@@ -344,6 +345,7 @@ class CompactKvIndex:
             slot = self._free_slots.pop() if self._free_slots else len(self._slot)
             self._slot[worker_id] = slot
             self._owner[slot] = worker_id
+            self.slot_epoch += 1
             while len(self._list_len) < 3 * slot + 3:
                 self._list_len.append(0)
             if 3 * slot + 2 > np.iinfo(self._e_list.dtype).max:
@@ -362,7 +364,7 @@ class CompactKvIndex:
         return list(self._slot)
 
     def slot_of(self, worker_id: str) -> int | None:
-        """The worker's column in ``match_lengths`` (None: it holds nothing and never did)."""
+        """The worker's column in ``match_lengths`` and ``blocks_by_slot`` (None: it holds nothing, never did)."""
         return self._slot.get(worker_id)
 
     def clear_worker(self, worker_id: str) -> int:
@@ -385,6 +387,7 @@ class CompactKvIndex:
         if slot is not None:
             del self._owner[slot]
             self._free_slots.append(slot)
+            self.slot_epoch += 1
 
     # ---- events --------------------------------------------------------------------------
     def key_of(self, worker_id: str, engine_hash: EngineHash) -> int | None:
@@ -748,6 +751,10 @@ class CompactKvIndex:
     def blocks_held_on(self, worker_id: str, medium: Medium) -> int:
         slot = self._slot.get(worker_id)
         return 0 if slot is None else self._list_len[3 * slot + medium]
+
+    def blocks_by_slot(self, medium: Medium) -> np.ndarray:
+        """``blocks_held_on`` of every worker at once, by slot (``slot_of``)."""
+        return np.array(self._list_len[medium::3], dtype=np.int64)
 
     def resident_keys(self, worker_id: str) -> dict[Medium, set[int]]:
         """Every key a worker holds, per medium (for tests and debugging; O(blocks))."""

@@ -18,6 +18,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from itertools import repeat
+
+import numpy as np
 
 EngineHash = Hashable  # vLLM sends uint64 (default) or digest bytes; SGLang signed int64
 
@@ -88,6 +91,8 @@ class KvIndex:
         self._dup_keys: dict[tuple[int, int, int], int] = {}
         self._entries = 0
         self.evicted_entries = 0
+        self._held_len: list[int] = []  # entries per (slot, medium), at 3 x slot + medium: ``blocks_by_slot``
+        self.slot_epoch = 0  # +1 whenever a worker takes or gives up a slot (callers cache slot maps by it)
 
     # ---- workers -------------------------------------------------------------------------
     def _worker(self, worker_id: str) -> _WorkerBlocks:
@@ -96,6 +101,9 @@ class KvIndex:
             slot = self._free_slots.pop() if self._free_slots else len(self._workers)
             w = self._workers[worker_id] = _WorkerBlocks(slot)
             self._slot_owner[slot] = worker_id
+            while len(self._held_len) < 3 * slot + 3:
+                self._held_len.append(0)
+            self.slot_epoch += 1
         return w
 
     def workers(self) -> list[str]:
@@ -119,6 +127,7 @@ class KvIndex:
                     holders.pop(key, None)
             dropped += len(refs)
             refs.clear()
+            self._held_len[3 * w.slot + medium] = 0
         w.extra_copies.clear()
         for k in [k for k in self._dup_keys if k[0] == w.slot]:
             del self._dup_keys[k]
@@ -131,6 +140,7 @@ class KvIndex:
         if w is not None:
             del self._slot_owner[w.slot]
             self._free_slots.append(w.slot)
+            self.slot_epoch += 1
 
     # ---- events --------------------------------------------------------------------------
     def key_of(self, worker_id: str, engine_hash: EngineHash) -> int | None:
@@ -169,6 +179,7 @@ class KvIndex:
             else:
                 holders[key] = mask | bit
         self._entries += added
+        self._held_len[3 * w.slot + medium] = len(held)
         if self._entries > self.capacity:
             self._evict()
 
@@ -205,11 +216,14 @@ class KvIndex:
             if mask:
                 holders[key] = mask
         self._entries -= dropped
+        self._held_len[3 * w.slot + medium] = len(held)
         return unknown
 
     def _drop_entry(self, w: _WorkerBlocks, medium: Medium, h: EngineHash) -> None:
         """Forget one (medium, hash) entry of a worker, whatever its copies."""
-        key = w.held[medium].pop(h)
+        held = w.held[medium]
+        key = held.pop(h)
+        self._held_len[3 * w.slot + medium] = len(held)
         w.extra_copies.pop((medium, h), None)
         self._entries -= 1
         self._release_key(w, medium, key)
@@ -289,14 +303,55 @@ class KvIndex:
         w = self._workers.get(worker_id)
         return w is not None and bool(self._holders[medium].get(key, 0) >> w.slot & 1)
 
+    def slot_of(self, worker_id: str) -> int | None:
+        """The worker's column in ``match_lengths`` and ``blocks_by_slot`` (None: it holds nothing, never did)."""
+        w = self._workers.get(worker_id)
+        return None if w is None else w.slot
+
+    def blocks_by_slot(self, medium: Medium) -> np.ndarray:
+        """``blocks_held_on`` of every worker at once, by slot (``slot_of``): a decision over a thousand workers
+        reads one array, not a thousand calls."""
+        return np.array(self._held_len[medium::3], dtype=np.int64)
+
     def match(self, keys: Sequence[int]) -> dict[str, PrefixMatch]:
         """Each worker's longest consecutive prefix of ``keys`` (from block 0), by tier.
 
         Workers with no matched block are absent from the result.
         """
+        gpu, cpu, total = self._lengths(keys)
+        owner = self._slot_owner
+        if cpu is None:
+            return {owner[s]: PrefixMatch(gpu=n) for s, n in gpu.items()}
+        result: dict[str, PrefixMatch] = {}
+        for slot, t in total.items():
+            if t:
+                g = gpu.get(slot, 0)
+                c = cpu.get(slot, 0)
+                result[owner[slot]] = PrefixMatch(gpu=g, cpu=c - g, storage=t - c)
+        return result
+
+    def match_lengths(self, keys: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``match`` as arrays: the slots (``slot_of``) of the workers with a matched block, and their GPU / CPU /
+        storage blocks; no object per worker (a decision over a thousand workers reads them)."""
+        gpu, cpu, total = self._lengths(keys)
+        if cpu is None:
+            k = len(gpu)
+            slots = np.fromiter(gpu, dtype=np.int64, count=k)
+            zeros = np.zeros(k, dtype=np.int64)
+            return slots, np.fromiter(gpu.values(), dtype=np.int64, count=k), zeros, zeros.copy()
+        held = {s: t for s, t in total.items() if t}
+        k = len(held)
+        slots = np.fromiter(held, dtype=np.int64, count=k)
+        t = np.fromiter(held.values(), dtype=np.int64, count=k)
+        g = np.fromiter(map(gpu.get, held, repeat(0, k)), dtype=np.int64, count=k)
+        c = np.fromiter(map(cpu.get, held, repeat(0, k)), dtype=np.int64, count=k)
+        return slots, g, c - g, t - c
+
+    def _lengths(self, keys: Sequence[int]) -> tuple[dict[int, int], dict[int, int] | None, dict[int, int] | None]:
+        """Slot -> prefix length on GPU; on GPU or CPU; on any medium (None, None for a GPU-only index)."""
         gpu, cpu, storage = self._holders
         if not cpu and not storage:
-            return self._match_gpu_only(keys, gpu)
+            return self._match_gpu_only(keys, gpu), None, None
         lengths: list[dict[int, int]] = [{}, {}, {}]  # tier -> slot -> prefix length
         alive = [-1, -1, -1]  # GPU; GPU|CPU; any
         n = len(keys)
@@ -315,16 +370,10 @@ class KvIndex:
             for tier in (0, 1, 2):
                 if alive[tier] and alive[tier] != -1:
                     _record_drops(alive[tier], n, lengths[tier])
-        result: dict[str, PrefixMatch] = {}
-        for slot, total in lengths[2].items():
-            if total == 0:
-                continue
-            g = lengths[0].get(slot, 0)
-            c = lengths[1].get(slot, 0)
-            result[self._slot_owner[slot]] = PrefixMatch(gpu=g, cpu=c - g, storage=total - c)
-        return result
+        return lengths[0], lengths[1], lengths[2]
 
-    def _match_gpu_only(self, keys: Sequence[int], gpu: dict[int, int]) -> dict[str, PrefixMatch]:
+    @staticmethod
+    def _match_gpu_only(keys: Sequence[int], gpu: dict[int, int]) -> dict[int, int]:
         if not keys:
             return {}
         alive = gpu.get(keys[0], 0)
@@ -341,8 +390,7 @@ class KvIndex:
                     break
         else:
             _record_drops(alive, len(keys), lengths)
-        owner = self._slot_owner
-        return {owner[s]: PrefixMatch(gpu=n) for s, n in lengths.items()}
+        return lengths
 
 
 def _record_drops(dropped: int, length: int, out: dict[int, int]) -> None:

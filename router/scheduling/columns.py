@@ -10,7 +10,7 @@ snapshot reads them per decision.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,6 +34,8 @@ class FleetColumns:
         self.ids: list[str] = []
         self.slot: dict[str, int] = {}
         self.endpoints: list[Endpoint] = []
+        self._generation = 0  # +1 at each rebuild (the slots changed)
+        self._index_maps: tuple[tuple[int, int, int], np.ndarray, np.ndarray] | None = None
         self._rebuild()
 
     # ---- upkeep -----------------------------------------------------------------------------------
@@ -59,6 +61,7 @@ class FleetColumns:
         st = self._state
         self.ids = list(st.endpoints)
         self.slot = {w: i for i, w in enumerate(self.ids)}
+        self._generation += 1
         n = len(self.ids)
         for name in (*self.LOAD, *self.METRICS, *self.OTHER):
             setattr(self, name, np.zeros(n))
@@ -102,6 +105,22 @@ class FleetColumns:
         self.ttft_slope[i] = prof.ttft.slope
         self.decode_slope[i], self.decode_intercept[i] = prof.decode.slope, prof.decode.intercept
         self.release_step[i] = _NAN
+
+    # ---- the index's slots -------------------------------------------------------------------------
+    def index_slots(self, index: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(the index's slot (``slot_of``) of each fleet slot, the fleet slot of each index slot), -1 where there
+        is none: what turns the index's answers by its own slot (``match_lengths``, ``blocks_by_slot``) into this
+        fleet's columns. Rebuilt only when the fleet's slots or the index's change (``slot_epoch``)."""
+        key = (id(index), index.slot_epoch, self._generation)
+        maps = self._index_maps
+        if maps is None or maps[0] != key:
+            to_index = np.fromiter((-1 if s is None else s for s in map(index.slot_of, self.ids)), dtype=np.int64,
+                                   count=len(self.ids))
+            to_fleet = np.full(int(to_index.max(initial=-1)) + 1, -1, dtype=np.int64)
+            held = np.flatnonzero(to_index >= 0)
+            to_fleet[to_index[held]] = held
+            self._index_maps = maps = (key, to_index, to_fleet)
+        return maps[1], maps[2]
 
     # ---- memory release ---------------------------------------------------------------------------
     def release_waits(self, slots: np.ndarray, blocks: np.ndarray, steps: np.ndarray, now: float) -> np.ndarray:

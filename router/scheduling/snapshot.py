@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
@@ -227,9 +226,10 @@ class Snapshot:
         """``prefix`` of every eligible candidate, by worker id."""
         if self._matched is None:
             spec = self.match_arrays()["speculative"]
-            ids, raw, credit, held = self.ids, self._raw_matches, self.credit, {}
+            ids, credit, held = self.ids, self.credit, {}
+            rg, rc, rs = self._raw_matches
             for i in self._eligible.tolist():
-                m = raw.get(ids[i]) if credit[i] else None
+                m = PrefixMatch(int(rg[i]), int(rc[i]), int(rs[i])) if credit[i] and rg[i] + rc[i] + rs[i] else None
                 if spec[i] > (0 if m is None else m.gpu + m.cpu + m.storage):
                     m = PrefixMatch(int(spec[i]))
                 held[ids[i]] = m
@@ -249,28 +249,28 @@ class Snapshot:
         if self._match_arrays is not None:
             return self._match_arrays
         req, state, n = self.request, self._state, self.size
-        raw = state.index.match(req.keys) if req.keys else {}
         spec = state.speculative.match(req.keys, self.now) if req.keys else {}
+        # the index's answer by the index's own slots, moved to this fleet's (workers it knows, the fleet not)
+        raw = tuple(np.zeros(n, dtype=np.int64) for _ in range(3))
         self._raw_matches = raw
         g, c, s, sp = (np.zeros(n, dtype=np.int64) for _ in range(4))
         eligible = np.zeros(n, dtype=bool)
         eligible[self._eligible] = True
-        slot = self.slot
-        if raw:
-            k = len(raw)
-            where = np.fromiter(map(slot.get, raw, repeat(-1, k)), dtype=np.int64, count=k)
-            vals = raw.values()
+        found = state.index.match_lengths(req.keys) if req.keys else None
+        if found is not None and len(found[0]):
+            to_fleet = self.cols.index_slots(state.index)[1]
+            islots = found[0]
+            inside = islots < len(to_fleet)
+            where = np.full(len(islots), -1, dtype=np.int64)
+            where[inside] = to_fleet[islots[inside]]
             known = where >= 0
-            take = known.copy()
-            take[known] = eligible[where[known]] & self.credit[where[known]]
-            at = where[take]
-            g[at] = np.fromiter(map(_GPU, vals), dtype=np.int64, count=k)[take]
-            cv = np.fromiter(map(_CPU, vals), dtype=np.int64, count=k)[take]
-            if cv.any():
-                c[at] = cv
-            sv = np.fromiter(map(_STORAGE, vals), dtype=np.int64, count=k)[take]
-            if sv.any():
-                s[at] = sv
+            at = where[known]
+            take = eligible[at] & self.credit[at]
+            for full, part, tier in zip(raw, (g, c, s), found[1:], strict=True):
+                vals = tier[known]
+                full[at] = vals
+                part[at[take]] = vals[take]
+        slot = self.slot
         for wid, blocks in spec.items():
             i = slot.get(wid)
             if i is None or not eligible[i] or self.states.get(i, "synced") not in ("synced", "unsynced"):
@@ -293,10 +293,13 @@ class Snapshot:
 
     def resident_blocks(self, slots: np.ndarray) -> np.ndarray:
         """``resident_tokens`` / block size of each of ``slots``, as an array."""
-        ids, k = self.ids, len(slots)
-        which = ids if k == self.size else [ids[i] for i in slots.tolist()]
-        return np.fromiter(map(self._state.index.blocks_held_on, which, repeat(Medium.GPU, k)), dtype=float,
-                           count=k)
+        index = self._state.index
+        to_index = self.cols.index_slots(index)[0][slots]
+        held = index.blocks_by_slot(Medium.GPU)
+        out = np.zeros(len(slots))
+        known = (to_index >= 0) & (to_index < len(held))
+        out[known] = held[to_index[known]]
+        return out
 
     def shared_prefix_blocks(self, slots: np.ndarray) -> np.ndarray:
         """``WorkerLoad.shared_prefix_blocks`` of the request's keys for each of ``slots`` (0 without load)."""

@@ -25,12 +25,12 @@ class MinScore(Picker):
         return [c.worker_id for c, _ in order]
 
     def rank(self, snap: Snapshot, slots: np.ndarray, scores: Sequence[float]) -> list[str]:
-        ids = list(map(snap.ids.__getitem__, slots.tolist()))
-        if len(ids) <= SORTED_UP_TO:  # a few: Python's sort, as ``pick``, costs less than the arrays
+        if len(slots) <= SORTED_UP_TO:  # a few: Python's sort, as ``pick``, costs less than the arrays
+            ids = list(map(snap.ids.__getitem__, slots.tolist()))
             rng = self.rng
             order = sorted(zip(ids, scores, strict=True), key=lambda cs: (round(cs[1], 9), rng.random()))
             return [w for w, _ in order]
-        return list(map(ids.__getitem__, min_score_order(scores, self.rng).tolist()))
+        return list(map(snap.ids.__getitem__, slots[min_score_order(scores, self.rng)].tolist()))
 
 
 def min_score_order(scores: Sequence[float], rng: random.Random) -> np.ndarray:
