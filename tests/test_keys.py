@@ -1,8 +1,14 @@
+import random
+from array import array
+
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from router import _fastkeys
+from router import keys as keys_module
 from router.keys import ROOT_KEY, chain_keys, request_extras, request_keys
 
 tokens_st = st.lists(st.integers(min_value=0, max_value=2**32 - 1), min_size=0, max_size=200)
@@ -74,3 +80,49 @@ def test_one_none_extra_per_block_is_no_extras_and_every_token_container_agrees(
     assert salted[0] != keys[0] and all(a != b for a, b in zip(salted, keys, strict=True))
     with pytest.raises(IndexError):
         chain_keys(tokens, 16, 12345, [("s",), None])  # fewer extras than blocks
+
+
+def test_the_compiled_chain_is_built():
+    """The package's build compiles router/_fastkeys.c (setup.py); without it every key takes the Python loop."""
+    assert keys_module._compiled_chain is not None, "router._fastkeys was not built: is a C compiler installed?"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 70), st.integers(0, 2**64 - 1), st.data())
+def test_the_compiled_chain_computes_the_python_keys(block_size, parent, data):
+    """Block sizes it covers (5 to 60 tokens: 20 to 240 bytes, both XXH3 length classes) and ones it hands back
+    to the Python path; token lists, arrays and numpy arrays; the same keys as the xxhash package's loop."""
+    tokens = data.draw(st.lists(st.integers(0, 2**32 - 1), max_size=block_size * 5))
+    with_c = chain_keys(tokens, block_size, parent)
+    saved = keys_module._compiled_chain
+    keys_module._compiled_chain = None
+    try:
+        reference = chain_keys(tokens, block_size, parent)
+    finally:
+        keys_module._compiled_chain = saved
+    assert with_c == reference
+    assert chain_keys(np.array(tokens, dtype=np.uint32), block_size, parent) == reference
+    assert chain_keys(array("I", tokens), block_size, parent) == reference
+
+
+def test_the_compiled_hash_is_xxh3():
+    rng = random.Random(7)
+    for n in range(17, 241):
+        for _ in range(4):
+            block = rng.randbytes(n)
+            seed = rng.getrandbits(64)
+            assert _fastkeys.xxh3(block, seed) == xxhash.xxh3_64_intdigest(block, seed)
+
+
+@pytest.mark.parametrize("bad", [[-1] * 16, [2**32] * 16, [1.5] * 16])
+def test_the_compiled_chain_rejects_what_the_python_one_rejects(bad):
+    with pytest.raises((OverflowError, TypeError)) as compiled:
+        chain_keys(bad, 16)
+    saved = keys_module._compiled_chain
+    keys_module._compiled_chain = None
+    try:
+        with pytest.raises((OverflowError, TypeError)) as python:
+            chain_keys(bad, 16)
+    finally:
+        keys_module._compiled_chain = saved
+    assert compiled.type is python.type
