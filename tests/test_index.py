@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.index import MEDIA, CompactKvIndex, KvIndex, Medium, PrefixMatch
+from router.index import MEDIA, CompactKvIndex, KvIndex, Medium, PrefixMatch, residency
 
 KEYS = 12  # a small key space so different hashes share keys and prefixes overlap
 WORKERS = ["a", "b", "c"]
@@ -75,6 +75,25 @@ op = st.one_of(
 @given(st.lists(op, max_size=40), st.lists(st.lists(st.integers(0, KEYS - 1), max_size=8), min_size=1, max_size=4))
 def test_random_interleavings_agree_with_brute_force(Index, ops, queries):
     check_against_model(Index(), ops, queries)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(op, max_size=40), st.lists(st.lists(st.integers(0, KEYS - 1), max_size=8), min_size=1, max_size=4))
+def test_the_dict_index_without_its_compiled_loops_agrees_too(ops, queries):
+    """The Python loops (the reference, and what runs where the package was built without a C compiler) against
+    the model, and the compiled ones against them: the same entries, copies and LRU order (``export_worker``)."""
+    assert residency._store_new is not None and residency._remove_plain is not None, "router.index._fastdicts not built"
+    compiled = KvIndex()
+    check_against_model(compiled, ops, queries)
+    saved = residency._store_new, residency._remove_plain
+    residency._store_new = residency._remove_plain = None
+    try:
+        python = KvIndex()
+        check_against_model(python, ops, queries)
+    finally:
+        residency._store_new, residency._remove_plain = saved
+    for w in WORKERS:
+        assert compiled.export_worker(w) == python.export_worker(w)
 
 
 def check_against_model(index, ops, queries) -> None:

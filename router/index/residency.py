@@ -22,6 +22,12 @@ from itertools import repeat
 
 import numpy as np
 
+try:  # the common blocks' loops in C (router/index/_fastdicts.c); the loops below do the same without it
+    from router.index._fastdicts import remove_plain as _remove_plain
+    from router.index._fastdicts import store_new as _store_new
+except ImportError:
+    _store_new = _remove_plain = None
+
 EngineHash = Hashable  # vLLM sends uint64 (default) or digest bytes; SGLang signed int64
 
 
@@ -161,27 +167,41 @@ class KvIndex:
         held = w.held[medium]
         holders = self._holders[medium]
         bit = 1 << w.slot
-        added = 0
-        pop_hash, get_mask = held.pop, holders.get
-        for h, key in zip(engine_hashes, keys, strict=True):
-            old = pop_hash(h, None)  # pop + reinsert: most recently stored goes last (LRU order)
-            if old is not None:  # stored again: one more copy, under the key it has
-                held[h] = old
-                copy = (medium, h)
-                w.extra_copies[copy] = w.extra_copies.get(copy, 0) + 1
-                continue
-            held[h] = key
-            added += 1
-            mask = get_mask(key, 0)
-            if mask & bit:
-                dup = (w.slot, medium, key)
-                self._dup_keys[dup] = self._dup_keys.get(dup, 0) + 1
-            else:
-                holders[key] = mask | bit
+        if _store_new is None:
+            added = 0
+            for h, key in zip(engine_hashes, keys, strict=True):
+                added += self._store_one(w, held, holders, bit, medium, h, key)
+        else:  # the new blocks in C, up to the first one stored again or sharing a key, that one here, and on
+            added, stop = _store_new(held, holders, engine_hashes, keys, bit, 0)
+            while stop < len(keys):
+                added += self._store_one(w, held, holders, bit, medium, engine_hashes[stop], keys[stop])
+                more, stop = _store_new(held, holders, engine_hashes, keys, bit, stop + 1)
+                added += more
+        self._stored(w, medium, held, added)
+
+    def _stored(self, w: _WorkerBlocks, medium: Medium, held: dict[EngineHash, int], added: int) -> None:
         self._entries += added
         self._held_len[3 * w.slot + medium] = len(held)
         if self._entries > self.capacity:
             self._evict()
+
+    def _store_one(self, w: _WorkerBlocks, held: dict[EngineHash, int], holders: dict[int, int], bit: int,
+                   medium: Medium, h: EngineHash, key: int) -> int:
+        """The store loop's body for one block (what the C loop hands back): 1 if it is a new entry."""
+        old = held.pop(h, None)  # pop + reinsert: most recently stored goes last (LRU order)
+        if old is not None:  # stored again: one more copy, under the key it has
+            held[h] = old
+            copy = (medium, h)
+            w.extra_copies[copy] = w.extra_copies.get(copy, 0) + 1
+            return 0
+        held[h] = key
+        mask = holders.get(key, 0)
+        if mask & bit:
+            dup = (w.slot, medium, key)
+            self._dup_keys[dup] = self._dup_keys.get(dup, 0) + 1
+        else:
+            holders[key] = mask | bit
+        return 1
 
     def remove(self, worker_id: str, engine_hashes: Iterable[EngineHash], medium: Medium) -> int:
         """Apply a BlockRemoved; returns how many hashes were unknown to the index."""
@@ -193,6 +213,11 @@ class KvIndex:
         # hash with more than one copy, a key two hashes share) take the slow path
         extra, holders, dup_keys = w.extra_copies, self._holders[medium], self._dup_keys
         keep = ~(1 << w.slot)
+        if _remove_plain is not None and not extra and not dup_keys and isinstance(engine_hashes, Sequence):
+            unknown, dropped = _remove_plain(held, holders, engine_hashes, keep)
+            self._entries -= dropped
+            self._held_len[3 * w.slot + medium] = len(held)
+            return unknown
         unknown = dropped = 0
         for h in engine_hashes:
             if extra or dup_keys:

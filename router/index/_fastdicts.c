@@ -1,0 +1,139 @@
+/* The dict index's per-block loops in C (router/index/residency.py: ``KvIndex.store`` and ``remove``), for the
+ * common blocks only: a hash new to the worker whose key it does not hold yet; a removal while the worker has
+ * no extra copies and no shared keys. Each loop stops at the first block that needs more (a hash stored again,
+ * a key two hashes share) and hands it back to the Python loop, which stays the reference for every case.
+ *
+ * Why C: ingest applies these for every block of every event, and the interpreter costs more per block than
+ * the four dict operations themselves (about 300 ns against 100). The dicts, their order and their contents
+ * are exactly what the Python loop leaves (tests/test_index.py runs both against the brute-force model).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* store_new(held, holders, hashes, keys, bit, start) -> (added, stop)
+ * From block ``start``: held[h] = key and holders[key] |= bit, while h is new to ``held`` and ``bit`` is not
+ * yet in holders[key]. ``stop``: the first block it did not take (len(hashes) when it took them all). */
+static PyObject *store_new(PyObject *self, PyObject *args) {
+    PyObject *held, *holders, *hashes_in, *keys_in, *bit;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "O!O!OOOn", &PyDict_Type, &held, &PyDict_Type, &holders, &hashes_in, &keys_in,
+                          &bit, &start))
+        return NULL;
+    PyObject *hashes = PySequence_Fast(hashes_in, "engine hashes must be a sequence");
+    if (!hashes)
+        return NULL;
+    PyObject *keys = PySequence_Fast(keys_in, "keys must be a sequence");
+    if (!keys) {
+        Py_DECREF(hashes);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    PyObject *result = NULL;
+    if (PySequence_Fast_GET_SIZE(keys) != n) {
+        PyErr_SetString(PyExc_ValueError, "as many keys as engine hashes");
+        goto done;
+    }
+    Py_ssize_t i = start, added = 0;
+    for (; i < n; i++) {
+        PyObject *h = PySequence_Fast_GET_ITEM(hashes, i);
+        PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
+        int known = PyDict_Contains(held, h);
+        if (known < 0)
+            goto done;
+        if (known)
+            break; /* stored again: the Python loop counts the copy */
+        PyObject *mask = PyDict_GetItemWithError(holders, key); /* borrowed */
+        PyObject *new_mask;
+        if (mask == NULL) {
+            if (PyErr_Occurred())
+                goto done;
+            new_mask = Py_NewRef(bit);
+        } else {
+            PyObject *both = PyNumber_And(mask, bit);
+            if (!both)
+                goto done;
+            int held_here = PyObject_IsTrue(both);
+            Py_DECREF(both);
+            if (held_here < 0)
+                goto done;
+            if (held_here)
+                break; /* a second hash for a key this worker holds: the Python loop counts it */
+            new_mask = PyNumber_Or(mask, bit);
+            if (!new_mask)
+                goto done;
+        }
+        if (PyDict_SetItem(held, h, key) < 0 || PyDict_SetItem(holders, key, new_mask) < 0) {
+            Py_DECREF(new_mask);
+            goto done;
+        }
+        Py_DECREF(new_mask);
+        added++;
+    }
+    result = Py_BuildValue("nn", added, i);
+done:
+    Py_DECREF(hashes);
+    Py_DECREF(keys);
+    return result;
+}
+
+/* remove_plain(held, holders, hashes, keep) -> (unknown, dropped)
+ * For a worker with no extra copies and no shared keys: key = held.pop(h); holders[key] &= keep (the entry
+ * goes when no holder is left). ``unknown``: hashes ``held`` did not have. */
+static PyObject *remove_plain(PyObject *self, PyObject *args) {
+    PyObject *held, *holders, *hashes_in, *keep;
+    if (!PyArg_ParseTuple(args, "O!O!OO", &PyDict_Type, &held, &PyDict_Type, &holders, &hashes_in, &keep))
+        return NULL;
+    PyObject *hashes = PySequence_Fast(hashes_in, "engine hashes must be a sequence");
+    if (!hashes)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes), unknown = 0, dropped = 0;
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PySequence_Fast_GET_ITEM(hashes, i);
+        PyObject *key = PyDict_GetItemWithError(held, h);
+        if (key == NULL) {
+            if (PyErr_Occurred())
+                goto done;
+            unknown++;
+            continue;
+        }
+        Py_INCREF(key);
+        if (PyDict_DelItem(held, h) < 0) {
+            Py_DECREF(key);
+            goto done;
+        }
+        dropped++;
+        PyObject *mask = PyDict_GetItemWithError(holders, key);
+        if (mask == NULL) {
+            Py_DECREF(key);
+            if (PyErr_Occurred())
+                goto done;
+            continue;
+        }
+        PyObject *left = PyNumber_And(mask, keep);
+        if (!left) {
+            Py_DECREF(key);
+            goto done;
+        }
+        int any = PyObject_IsTrue(left);
+        int rc = any > 0 ? PyDict_SetItem(holders, key, left) : any == 0 ? PyDict_DelItem(holders, key) : -1;
+        Py_DECREF(left);
+        Py_DECREF(key);
+        if (rc < 0)
+            goto done;
+    }
+    result = Py_BuildValue("nn", unknown, dropped);
+done:
+    Py_DECREF(hashes);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"store_new", store_new, METH_VARARGS, "KvIndex.store's loop for blocks new to the worker."},
+    {"remove_plain", remove_plain, METH_VARARGS, "KvIndex.remove's loop for a worker without copies or shared keys."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "router.index._fastdicts", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__fastdicts(void) { return PyModule_Create(&module); }
