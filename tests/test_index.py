@@ -249,3 +249,35 @@ def test_residency_digest_is_order_independent_and_sees_counts_and_media(Index):
     c = Index()
     c.store("w", [1, 2], [11, 12], Medium.CPU)
     assert residency_digest(a, "w") != residency_digest(c, "w")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(65, 1500), st.data())
+def test_wide_fleets_read_drop_masks_as_words_as_bit_by_bit(width, data):
+    """A match over more than 64 workers reads the walk's drop masks as 64-bit words (numpy); the bit-by-bit
+    reading narrow fleets use says the same slots, lengths and order."""
+    slots = data.draw(st.permutations(range(width)))[: data.draw(st.integers(0, width))]
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(slots)), max_size=12)))
+    events = []
+    for n, (a, b) in enumerate(zip([0, *cuts], [*cuts, len(slots)], strict=True)):
+        if b > a:
+            events.append((sum(1 << s for s in slots[a:b]), n + 1))
+    wide = residency._drop_lengths(events, width)
+    bits = residency._drop_lengths_by_bit(events)
+    assert wide[0].tolist() == bits[0].tolist() and wide[1].tolist() == bits[1].tolist()
+
+
+@LAYOUTS
+def test_a_wide_fleet_matches_by_tier_as_a_narrow_one(Index):
+    """Past 64 workers (the dict layout's numpy reading of masks, the compact layout's extra mask words): the
+    same matches as the model's, over all three tiers."""
+    index = Index()
+    keys = list(range(100, 140))
+    want = {}
+    for j in range(150):
+        g, c = j % 7, j % 11
+        index.store(f"w{j}", range(1000 * j, 1000 * j + g), keys[:g], Medium.GPU)
+        index.store(f"w{j}", range(1000 * j + 100, 1000 * j + 100 + c), keys[g:g + c], Medium.CPU)
+        index.store(f"w{j}", [1000 * j + 200], keys[g + c:g + c + 1], Medium.STORAGE)
+        want[f"w{j}"] = PrefixMatch(g, c, 1)
+    assert index.match(keys) == want

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from itertools import repeat
 
 import numpy as np
 
@@ -343,41 +342,24 @@ class KvIndex:
 
         Workers with no matched block are absent from the result.
         """
-        gpu, cpu, total = self._lengths(keys)
+        slots, gpu, cpu, storage = self.match_lengths(keys)
         owner = self._slot_owner
-        if cpu is None:
-            return {owner[s]: PrefixMatch(gpu=n) for s, n in gpu.items()}
-        result: dict[str, PrefixMatch] = {}
-        for slot, t in total.items():
-            if t:
-                g = gpu.get(slot, 0)
-                c = cpu.get(slot, 0)
-                result[owner[slot]] = PrefixMatch(gpu=g, cpu=c - g, storage=t - c)
-        return result
+        return {owner[s]: PrefixMatch(g, c, st)
+                for s, g, c, st in zip(slots.tolist(), gpu.tolist(), cpu.tolist(), storage.tolist(), strict=True)}
 
     def match_lengths(self, keys: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``match`` as arrays: the slots (``slot_of``) of the workers with a matched block, and their GPU / CPU /
-        storage blocks; no object per worker (a decision over a thousand workers reads them)."""
-        gpu, cpu, total = self._lengths(keys)
-        if cpu is None:
-            k = len(gpu)
-            slots = np.fromiter(gpu, dtype=np.int64, count=k)
-            zeros = np.zeros(k, dtype=np.int64)
-            return slots, np.fromiter(gpu.values(), dtype=np.int64, count=k), zeros, zeros.copy()
-        held = {s: t for s, t in total.items() if t}
-        k = len(held)
-        slots = np.fromiter(held, dtype=np.int64, count=k)
-        t = np.fromiter(held.values(), dtype=np.int64, count=k)
-        g = np.fromiter(map(gpu.get, held, repeat(0, k)), dtype=np.int64, count=k)
-        c = np.fromiter(map(cpu.get, held, repeat(0, k)), dtype=np.int64, count=k)
-        return slots, g, c - g, t - c
+        storage blocks; no object per worker (a decision over a thousand workers reads them).
 
-    def _lengths(self, keys: Sequence[int]) -> tuple[dict[int, int], dict[int, int] | None, dict[int, int] | None]:
-        """Slot -> prefix length on GPU; on GPU or CPU; on any medium (None, None for a GPU-only index)."""
+        The walk records each block at which some workers drop out (their mask and the length they reached);
+        the masks are read into slots once, at the end (``_drop_lengths``)."""
         gpu, cpu, storage = self._holders
+        width = len(self._held_len) // 3
         if not cpu and not storage:
-            return self._match_gpu_only(keys, gpu), None, None
-        lengths: list[dict[int, int]] = [{}, {}, {}]  # tier -> slot -> prefix length
+            slots, lengths = _drop_lengths(self._walk_gpu_only(keys, gpu), width)
+            zeros = np.zeros(len(slots), dtype=np.int64)
+            return slots, lengths, zeros, zeros.copy()
+        events: list[list[tuple[int, int]]] = [[], [], []]  # tier -> (dropped mask, length)
         alive = [-1, -1, -1]  # GPU; GPU|CPU; any
         n = len(keys)
         for i, key in enumerate(keys):
@@ -387,42 +369,83 @@ class KvIndex:
             for tier in (0, 1, 2):
                 new = alive[tier] & masks[tier]
                 if new != alive[tier]:
-                    _record_drops(alive[tier] & ~new, i, lengths[tier])
+                    if alive[tier] != -1:  # (the all-ones mask before block 0: those slots matched nothing)
+                        events[tier].append((alive[tier] ^ new, i))  # (new is within alive)
                     alive[tier] = new
             if not alive[2]:
                 break
         else:
             for tier in (0, 1, 2):
                 if alive[tier] and alive[tier] != -1:
-                    _record_drops(alive[tier], n, lengths[tier])
-        return lengths[0], lengths[1], lengths[2]
+                    events[tier].append((alive[tier], n))
+        slots, total = _drop_lengths(events[2], width)  # (in the order the walk dropped them out)
+        g, c = np.zeros(width, dtype=np.int64), np.zeros(width, dtype=np.int64)
+        for tier, full in ((0, g), (1, c)):
+            at, length = _drop_lengths(events[tier], width)
+            full[at] = length
+        g, c = g[slots], c[slots]
+        return slots, g, c - g, total - c
 
     @staticmethod
-    def _match_gpu_only(keys: Sequence[int], gpu: dict[int, int]) -> dict[int, int]:
+    def _walk_gpu_only(keys: Sequence[int], gpu: dict[int, int]) -> list[tuple[int, int]]:
         if not keys:
-            return {}
+            return []
         alive = gpu.get(keys[0], 0)
         if not alive:
-            return {}
-        lengths: dict[int, int] = {}
+            return []
+        events: list[tuple[int, int]] = []
         get = gpu.get
         for i in range(1, len(keys)):
             new = alive & get(keys[i], 0)
             if new != alive:
-                _record_drops(alive & ~new, i, lengths)
+                events.append((alive ^ new, i))  # the slots that dropped out (new is within alive)
                 alive = new
                 if not alive:
                     break
         else:
-            _record_drops(alive, len(keys), lengths)
-        return lengths
+            events.append((alive, len(keys)))
+        return events
 
 
-def _record_drops(dropped: int, length: int, out: dict[int, int]) -> None:
-    """Record ``length`` for every slot bit in ``dropped`` (-1 stands for 'all', only before block 0)."""
-    if dropped < 0:  # the initial all-ones mask: only slots that exist matter, none matched
-        return
-    while dropped:
-        low = dropped & -dropped
-        out[low.bit_length() - 1] = length
-        dropped ^= low
+_NARROW = 64  # slots up to which masks are read bit by bit in Python (one word: cheaper than numpy's calls)
+
+
+def _drop_lengths(events: list[tuple[int, int]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(slots, lengths) of a walk's drop events, ``(mask of slots that dropped out, the length they reached)``,
+    each slot in one event: in event order, ascending slots within one. A wide fleet's masks are big ints whose
+    bit-by-bit reading costs four big-int operations a slot, so they are read as 64-bit words by numpy."""
+    if not events:
+        none = np.zeros(0, dtype=np.int64)
+        return none, none
+    if width <= _NARROW:
+        return _drop_lengths_by_bit(events)
+    words = (width + 63) // 64
+    raw = np.frombuffer(b"".join([m.to_bytes(8 * words, "little") for m, _ in events]), dtype="<u8")
+    rows, cols = np.nonzero(raw.reshape(len(events), words))  # the few nonzero words
+    word = raw[rows * words + cols]
+    found_rows, found_slots = [], []
+    while len(word):  # one bit of every word still nonzero per round: rounds = the most bits a word has
+        low = word & (~word + np.uint64(1))
+        found_rows.append(rows)
+        found_slots.append(cols * 64 + np.frexp(low.astype(np.float64))[1] - 1)  # (exact: a power of two)
+        word = word ^ low
+        left = word != 0
+        word, rows, cols = word[left], rows[left], cols[left]
+    event = np.concatenate(found_rows)
+    slots = np.concatenate(found_slots).astype(np.int64)
+    order = np.lexsort((slots, event))
+    at = np.fromiter((length for _, length in events), dtype=np.int64, count=len(events))
+    return slots[order], at[event[order]]
+
+
+def _drop_lengths_by_bit(events: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """``_drop_lengths`` one bit at a time (narrow fleets; the wide path's reference in the tests)."""
+    slots: list[int] = []
+    lengths: list[int] = []
+    for mask, length in events:
+        while mask:
+            low = mask & -mask
+            slots.append(low.bit_length() - 1)
+            lengths.append(length)
+            mask ^= low
+    return np.array(slots, dtype=np.int64), np.array(lengths, dtype=np.int64)

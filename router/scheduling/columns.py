@@ -35,7 +35,7 @@ class FleetColumns:
         self.slot: dict[str, int] = {}
         self.endpoints: list[Endpoint] = []
         self._generation = 0  # +1 at each rebuild (the slots changed)
-        self._index_maps: tuple[tuple[int, int, int], np.ndarray, np.ndarray] | None = None
+        self._index_maps: tuple[Any, int, int, np.ndarray, np.ndarray] | None = None
         self._rebuild()
 
     # ---- upkeep -----------------------------------------------------------------------------------
@@ -111,16 +111,15 @@ class FleetColumns:
         """(the index's slot (``slot_of``) of each fleet slot, the fleet slot of each index slot), -1 where there
         is none: what turns the index's answers by its own slot (``match_lengths``, ``blocks_by_slot``) into this
         fleet's columns. Rebuilt only when the fleet's slots or the index's change (``slot_epoch``)."""
-        key = (id(index), index.slot_epoch, self._generation)
         maps = self._index_maps
-        if maps is None or maps[0] != key:
+        if maps is None or maps[0] is not index or maps[1:3] != (index.slot_epoch, self._generation):
             to_index = np.fromiter((-1 if s is None else s for s in map(index.slot_of, self.ids)), dtype=np.int64,
                                    count=len(self.ids))
             to_fleet = np.full(int(to_index.max(initial=-1)) + 1, -1, dtype=np.int64)
             held = np.flatnonzero(to_index >= 0)
             to_fleet[to_index[held]] = held
-            self._index_maps = maps = (key, to_index, to_fleet)
-        return maps[1], maps[2]
+            self._index_maps = maps = (index, index.slot_epoch, self._generation, to_index, to_fleet)
+        return maps[3], maps[4]
 
     # ---- memory release ---------------------------------------------------------------------------
     def release_waits(self, slots: np.ndarray, blocks: np.ndarray, steps: np.ndarray, now: float) -> np.ndarray:

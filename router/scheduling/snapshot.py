@@ -27,7 +27,7 @@ from router.scheduling.types import REPORT_FIELDS, CandidateReport, Endpoint, Ro
 
 # the CandidateReport fields from queue_s to score, as a new candidate starts them
 _NO_COSTS = (0.0,) * (REPORT_FIELDS.index("score") - REPORT_FIELDS.index("queue_s") + 1)
-_GPU, _CPU, _STORAGE, _EVENTS = (attrgetter(a) for a in ("gpu", "cpu", "storage", "events"))
+_EVENTS = attrgetter("events")
 
 
 @dataclass(slots=True)
