@@ -1,6 +1,7 @@
 """The index against a brute-force model, plus eviction and per-tier matching."""
 
 from collections import defaultdict
+from contextlib import contextmanager, nullcontext
 
 import pytest
 from hypothesis import given, settings
@@ -82,18 +83,29 @@ def test_random_interleavings_agree_with_brute_force(Index, ops, queries):
 def test_the_dict_index_without_its_compiled_loops_agrees_too(ops, queries):
     """The Python loops (the reference, and what runs where the package was built without a C compiler) against
     the model, and the compiled ones against them: the same entries, copies and LRU order (``export_worker``)."""
-    assert residency._store_new is not None and residency._remove_plain is not None, "router.index._fastdicts not built"
+    assert None not in compiled_loops(), "router.index._fastdicts not built"
     compiled = KvIndex()
     check_against_model(compiled, ops, queries)
-    saved = residency._store_new, residency._remove_plain
-    residency._store_new = residency._remove_plain = None
-    try:
+    with python_loops():
         python = KvIndex()
         check_against_model(python, ops, queries)
-    finally:
-        residency._store_new, residency._remove_plain = saved
     for w in WORKERS:
         assert compiled.export_worker(w) == python.export_worker(w)
+
+
+def compiled_loops():
+    return residency._store_new, residency._remove_plain, residency._gpu_prefix
+
+
+@contextmanager
+def python_loops():
+    """The dict index's Python loops instead of its compiled ones (router/index/_fastdicts.c)."""
+    saved = compiled_loops()
+    residency._store_new = residency._remove_plain = residency._gpu_prefix = None
+    try:
+        yield
+    finally:
+        residency._store_new, residency._remove_plain, residency._gpu_prefix = saved
 
 
 def check_against_model(index, ops, queries) -> None:
@@ -267,17 +279,30 @@ def test_wide_fleets_read_drop_masks_as_words_as_bit_by_bit(width, data):
     assert wide[0].tolist() == bits[0].tolist() and wide[1].tolist() == bits[1].tolist()
 
 
-@LAYOUTS
-def test_a_wide_fleet_matches_by_tier_as_a_narrow_one(Index):
-    """Past 64 workers (the dict layout's numpy reading of masks, the compact layout's extra mask words): the
-    same matches as the model's, over all three tiers."""
-    index = Index()
+@pytest.mark.parametrize("Index, loops",
+                         [(KvIndex, nullcontext), (KvIndex, python_loops), (CompactKvIndex, nullcontext)],
+                         ids=["dicts", "dicts-python-loops", "compact"])
+@pytest.mark.parametrize("tiered", [False, True])
+def test_a_wide_fleet_matches_as_a_narrow_one(Index, loops, tiered):
+    """Past 64 workers (the dict layout's numpy reading of masks or its compiled walk, the compact layout's extra
+    mask words): the same matches as the model's, GPU only and over all three tiers."""
+    with loops():
+        check_wide_fleet(Index(), tiered)
+
+
+def check_wide_fleet(index, tiered: bool) -> None:
     keys = list(range(100, 140))
     want = {}
     for j in range(150):
         g, c = j % 7, j % 11
         index.store(f"w{j}", range(1000 * j, 1000 * j + g), keys[:g], Medium.GPU)
+        if not tiered:
+            if g:
+                want[f"w{j}"] = PrefixMatch(g)
+            continue
         index.store(f"w{j}", range(1000 * j + 100, 1000 * j + 100 + c), keys[g:g + c], Medium.CPU)
         index.store(f"w{j}", [1000 * j + 200], keys[g + c:g + c + 1], Medium.STORAGE)
         want[f"w{j}"] = PrefixMatch(g, c, 1)
     assert index.match(keys) == want
+    assert index.match(keys[:3]) == {w: PrefixMatch(min(m.gpu, 3), min(m.cpu, 3 - min(m.gpu, 3)),
+                                                    min(m.storage, 3 - min(m.gpu + m.cpu, 3))) for w, m in want.items()}

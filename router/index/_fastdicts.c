@@ -1,4 +1,5 @@
-/* The dict index's per-block loops in C (router/index/residency.py: ``KvIndex.store`` and ``remove``), for the
+/* The dict index's per-block loops in C (router/index/residency.py: ``KvIndex.store`` and ``remove``, and the
+ * match walk of a GPU-only index, ``match_lengths``), for the
  * common blocks only: a hash new to the worker whose key it does not hold yet; a removal while the worker has
  * no extra copies and no shared keys. Each loop stops at the first block that needs more (a hash stored again,
  * a key two hashes share) and hands it back to the Python loop, which stays the reference for every case.
@@ -11,6 +12,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 
 /* dict.pop(key) in one lookup: a new reference, or NULL with no error set when the key is absent. */
 static PyObject *dict_pop(PyObject *dict, PyObject *key) {
@@ -145,8 +147,127 @@ done:
     return result;
 }
 
+
+/* The little-endian bytes of a non-negative int (a holder mask) into buf[n]. */
+static int mask_bytes(PyObject *v, unsigned char *buf, size_t n) {
+#if PY_VERSION_HEX >= 0x030D0000
+    Py_ssize_t r = PyLong_AsNativeBytes(v, buf, (Py_ssize_t)n,
+                                        Py_ASNATIVEBYTES_LITTLE_ENDIAN | Py_ASNATIVEBYTES_UNSIGNED_BUFFER);
+    return r < 0 ? -1 : 0;
+#else
+    return _PyLong_AsByteArray((PyLongObject *)v, buf, n, 1, 0);
+#endif
+}
+
+typedef struct {
+    int64_t *slots, *lengths;
+    Py_ssize_t len, cap;
+    unsigned char *buf;
+    size_t nbytes;
+} Drops;
+
+/* Record every slot whose bit is set in ``dropped`` with ``length``, in ascending slot order. */
+static int record(Drops *d, PyObject *dropped, int64_t length) {
+    if (mask_bytes(dropped, d->buf, d->nbytes) < 0)
+        return -1;
+    for (size_t j = 0; j < d->nbytes; j++) {
+        unsigned char byte = d->buf[j];
+        while (byte) {
+            int b = __builtin_ctz(byte);
+            byte &= (unsigned char)(byte - 1);
+            if (d->len == d->cap) {
+                Py_ssize_t cap = d->cap ? 2 * d->cap : 64;
+                int64_t *s = PyMem_Realloc(d->slots, cap * sizeof(int64_t));
+                if (!s)
+                    return -1;
+                d->slots = s;
+                int64_t *l = PyMem_Realloc(d->lengths, cap * sizeof(int64_t));
+                if (!l)
+                    return -1;
+                d->lengths = l;
+                d->cap = cap;
+            }
+            d->slots[d->len] = (int64_t)(j * 8 + (size_t)b);
+            d->lengths[d->len++] = length;
+        }
+    }
+    return 0;
+}
+
+/* gpu_prefix(holders, keys, width) -> (slots, lengths): ``KvIndex.match_lengths`` for a GPU-only index, as two
+ * bytearrays of int64. The walk ANDs a mask of still-matching workers along ``keys`` (the Python walk's rule);
+ * at each block where some drop out, their slots get the length they reached, in ascending slot order. */
+static PyObject *gpu_prefix(PyObject *self, PyObject *args) {
+    PyObject *holders, *keys_in;
+    Py_ssize_t width;
+    if (!PyArg_ParseTuple(args, "O!On", &PyDict_Type, &holders, &keys_in, &width))
+        return NULL;
+    PyObject *keys = PySequence_Fast(keys_in, "keys must be a sequence");
+    if (!keys)
+        return NULL;
+    Drops d = {NULL, NULL, 0, 0, NULL, (size_t)(width > 0 ? (width + 63) / 64 * 8 : 8)};
+    PyObject *alive = NULL, *result = NULL;
+    d.buf = PyMem_Malloc(d.nbytes);
+    if (!d.buf)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    if (n) {
+        alive = PyDict_GetItemWithError(holders, PySequence_Fast_GET_ITEM(keys, 0));
+        if (!alive && PyErr_Occurred())
+            goto done;
+        Py_XINCREF(alive);
+    }
+    Py_ssize_t i = 1;
+    for (; alive && i < n; i++) {
+        PyObject *mask = PyDict_GetItemWithError(holders, PySequence_Fast_GET_ITEM(keys, i));
+        if (!mask) {
+            if (PyErr_Occurred())
+                goto done;
+            break; /* nobody holds block i: every worker still in stops at i */
+        }
+        PyObject *still = PyNumber_And(alive, mask);
+        if (!still)
+            goto done;
+        int same = PyObject_RichCompareBool(still, alive, Py_EQ);
+        if (same < 0) {
+            Py_DECREF(still);
+            goto done;
+        }
+        if (same) {
+            Py_DECREF(still);
+            continue;
+        }
+        PyObject *dropped = PyNumber_Xor(alive, still); /* (still is within alive) */
+        int rc = dropped ? record(&d, dropped, i) : -1;
+        Py_XDECREF(dropped);
+        Py_DECREF(alive);
+        alive = still;
+        if (rc < 0)
+            goto done;
+        int any = PyObject_IsTrue(alive);
+        if (any < 0)
+            goto done;
+        if (!any) {
+            Py_CLEAR(alive);
+            break;
+        }
+    }
+    if (alive && record(&d, alive, i) < 0) /* the rest matched up to where the walk stopped */
+        goto done;
+    result = Py_BuildValue("NN", PyByteArray_FromStringAndSize((const char *)d.slots, d.len * 8),
+                           PyByteArray_FromStringAndSize((const char *)d.lengths, d.len * 8));
+done:
+    Py_XDECREF(alive);
+    Py_DECREF(keys);
+    PyMem_Free(d.buf);
+    PyMem_Free(d.slots);
+    PyMem_Free(d.lengths);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"store_new", store_new, METH_VARARGS, "KvIndex.store's loop for blocks new to the worker."},
+    {"gpu_prefix", gpu_prefix, METH_VARARGS, "KvIndex.match_lengths of a GPU-only index: (slots, lengths)."},
     {"remove_plain", remove_plain, METH_VARARGS, "KvIndex.remove's loop for a worker without copies or shared keys."},
     {NULL, NULL, 0, NULL},
 };

@@ -21,11 +21,13 @@ from enum import IntEnum
 
 import numpy as np
 
-try:  # the common blocks' loops in C (router/index/_fastdicts.c); the loops below do the same without it
+try:  # the common blocks' loops and the GPU-only walk in C (router/index/_fastdicts.c); the Python below does the
+    # same without them
+    from router.index._fastdicts import gpu_prefix as _gpu_prefix
     from router.index._fastdicts import remove_plain as _remove_plain
     from router.index._fastdicts import store_new as _store_new
 except ImportError:
-    _store_new = _remove_plain = None
+    _store_new = _remove_plain = _gpu_prefix = None
 
 EngineHash = Hashable  # vLLM sends uint64 (default) or digest bytes; SGLang signed int64
 
@@ -356,7 +358,11 @@ class KvIndex:
         gpu, cpu, storage = self._holders
         width = len(self._held_len) // 3
         if not cpu and not storage:
-            slots, lengths = _drop_lengths(self._walk_gpu_only(keys, gpu), width)
+            if _gpu_prefix is not None:  # the walk and the reading of its masks in C
+                found = _gpu_prefix(gpu, keys, width)
+                slots, lengths = np.frombuffer(found[0], dtype=np.int64), np.frombuffer(found[1], dtype=np.int64)
+            else:
+                slots, lengths = _drop_lengths(self._walk_gpu_only(keys, gpu), width)
             zeros = np.zeros(len(slots), dtype=np.int64)
             return slots, lengths, zeros, zeros.copy()
         events: list[list[tuple[int, int]]] = [[], [], []]  # tier -> (dropped mask, length)
