@@ -61,6 +61,7 @@ class FleetColumns:
         st = self._state
         self.ids = list(st.endpoints)
         self.slot = {w: i for i, w in enumerate(self.ids)}
+        self.id_array = np.array(self.ids, dtype=object)  # (a ranking's ids in one indexing, not one call each)
         self._generation += 1
         n = len(self.ids)
         for name in (*self.LOAD, *self.METRICS, *self.OTHER):

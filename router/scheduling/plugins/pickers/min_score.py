@@ -30,7 +30,7 @@ class MinScore(Picker):
             rng = self.rng
             order = sorted(zip(ids, scores, strict=True), key=lambda cs: (round(cs[1], 9), rng.random()))
             return [w for w, _ in order]
-        return list(map(snap.ids.__getitem__, slots[min_score_order(scores, self.rng)].tolist()))
+        return snap.cols.id_array[slots[min_score_order(scores, self.rng)]].tolist()
 
 
 def min_score_order(scores: Sequence[float], rng: random.Random) -> np.ndarray:
@@ -38,8 +38,8 @@ def min_score_order(scores: Sequence[float], rng: random.Random) -> np.ndarray:
     candidates' order (so the generator moves exactly as ``pick`` moves it). Sorted on the scores themselves
     first; Python's ``round`` is asked only of neighbours within 1e-8, the only ones it could merge."""
     n = len(scores)
-    draws = np.array(list(map(random.Random.random, repeat(rng, n))))
-    s = np.asarray(scores, dtype=float)
+    draws = np.fromiter(map(random.Random.random, repeat(rng, n)), dtype=float, count=n)
+    s = scores if isinstance(scores, np.ndarray) else np.fromiter(scores, dtype=float, count=n)
     by_score = np.argsort(s, kind="stable")
     ss = s[by_score]
     with np.errstate(invalid="ignore"):  # inf - inf: equal, as they round
