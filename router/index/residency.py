@@ -172,7 +172,7 @@ class KvIndex:
             added = 0
             for h, key in zip(engine_hashes, keys, strict=True):
                 added += self._store_one(w, held, holders, bit, medium, h, key)
-        else:  # the new blocks in C, up to the first one stored again or sharing a key, that one here, and on
+        else:  # the new blocks in C; the first one stored again or sharing a key here, then C again from the next
             added, stop = _store_new(held, holders, engine_hashes, keys, bit, 0)
             while stop < len(keys):
                 added += self._store_one(w, held, holders, bit, medium, engine_hashes[stop], keys[stop])
