@@ -337,3 +337,13 @@ def test_the_index_answer_lands_on_each_workers_own_slot(layout):
         w: core.index.blocks_held_on(w, Medium.GPU) for w in names}
     assert core.index.blocks_held_on("w7", Medium.GPU) == 1
     assert snap.matches()["w5"] == core.index.match(keys).get("w5")
+
+
+@pytest.mark.parametrize("n", [0, 1, 33, min_score._DRAWS_BY_BITS - 1, min_score._DRAWS_BY_BITS, 1000])
+def test_a_rankings_draws_are_the_generators_own(n):
+    """``draws_of`` reads a wide ranking's tie-break draws from one ``getrandbits``: the same values as one
+    ``random()`` each, and the generator left in the same state (the next decision draws the same too)."""
+    for seed in range(20):
+        ours, theirs = random.Random(seed), random.Random(seed)
+        assert min_score.draws_of(ours, n).tolist() == [theirs.random() for _ in range(n)]
+        assert ours.getstate() == theirs.getstate()
