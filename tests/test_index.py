@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.index import MEDIA, CompactKvIndex, KvIndex, Medium, PrefixMatch, residency
+from router.index import MEDIA, CompactKvIndex, KvIndex, Medium, PrefixMatch, compact, residency
 
 KEYS = 12  # a small key space so different hashes share keys and prefixes overlap
 WORKERS = ["a", "b", "c"]
@@ -78,34 +78,38 @@ def test_random_interleavings_agree_with_brute_force(Index, ops, queries):
     check_against_model(Index(), ops, queries)
 
 
+@LAYOUTS
 @settings(max_examples=300, deadline=None)
 @given(st.lists(op, max_size=40), st.lists(st.lists(st.integers(0, KEYS - 1), max_size=8), min_size=1, max_size=4))
-def test_the_dict_index_without_its_compiled_loops_agrees_too(ops, queries):
+def test_the_index_without_its_compiled_loops_agrees_too(Index, ops, queries):
     """The Python loops (the reference, and what runs where the package was built without a C compiler) against
     the model, and the compiled ones against them: the same entries, copies and LRU order (``export_worker``)."""
-    assert None not in compiled_loops(), "router.index._fastdicts not built"
-    compiled = KvIndex()
-    check_against_model(compiled, ops, queries)
+    assert None not in compiled_loops(), "router.index._fastdicts or _fastcompact not built"
+    fast = Index()
+    check_against_model(fast, ops, queries)
     with python_loops():
-        python = KvIndex()
+        python = Index()
         check_against_model(python, ops, queries)
     for w in WORKERS:
-        assert compiled.export_worker(w) == python.export_worker(w)
+        assert fast.export_worker(w) == python.export_worker(w)
 
 
 def compiled_loops():
-    return residency._store_new, residency._remove_plain, residency._gpu_prefix
+    return (residency._store_new, residency._remove_plain, residency._gpu_prefix, compact._store_plain,
+            compact._remove_plain)
 
 
 @contextmanager
 def python_loops():
-    """The dict index's Python loops instead of its compiled ones (router/index/_fastdicts.c)."""
+    """Both layouts' Python loops instead of their compiled ones (router/index/_fastdicts.c, _fastcompact.c)."""
     saved = compiled_loops()
     residency._store_new = residency._remove_plain = residency._gpu_prefix = None
+    compact._store_plain = compact._remove_plain = None
     try:
         yield
     finally:
-        residency._store_new, residency._remove_plain, residency._gpu_prefix = saved
+        (residency._store_new, residency._remove_plain, residency._gpu_prefix, compact._store_plain,
+         compact._remove_plain) = saved
 
 
 def check_against_model(index, ops, queries) -> None:
@@ -279,9 +283,9 @@ def test_wide_fleets_read_drop_masks_as_words_as_bit_by_bit(width, data):
     assert wide[0].tolist() == bits[0].tolist() and wide[1].tolist() == bits[1].tolist()
 
 
-@pytest.mark.parametrize("Index, loops",
-                         [(KvIndex, nullcontext), (KvIndex, python_loops), (CompactKvIndex, nullcontext)],
-                         ids=["dicts", "dicts-python-loops", "compact"])
+@pytest.mark.parametrize("Index, loops", [(KvIndex, nullcontext), (KvIndex, python_loops),
+                                          (CompactKvIndex, nullcontext), (CompactKvIndex, python_loops)],
+                         ids=["dicts", "dicts-python-loops", "compact", "compact-python-loops"])
 @pytest.mark.parametrize("tiered", [False, True])
 def test_a_wide_fleet_matches_as_a_narrow_one(Index, loops, tiered):
     """Past 64 workers (the dict layout's numpy reading of masks or its compiled walk, the compact layout's extra

@@ -43,6 +43,13 @@ import numpy as np
 
 from router.index.residency import MEDIA, BlockEntry, EngineHash, Medium, PrefixMatch
 
+try:  # the store and remove loops' common blocks in C (router/index/_fastcompact.c); the Python loops
+    # (_store_blocks, _remove_blocks) do them without it
+    from router.index._fastcompact import remove_plain as _remove_plain
+    from router.index._fastcompact import store_plain as _store_plain
+except ImportError:
+    _store_plain = _remove_plain = None
+
 _M64 = (1 << 64) - 1
 _I64_MIN, _I64_END, _U64_END = -(1 << 63), 1 << 63, 1 << 64
 _M32, _MULT32 = (1 << 32) - 1, 0x9E3779B1  # Fibonacci hashing: the slot is the high bits of x * MULT
@@ -416,6 +423,37 @@ class CompactKvIndex:
             if self._entries > self.capacity:
                 self._evict()
             return
+        n = len(keys)
+        self._reserve(n)
+        m = int(medium)
+        lst = 3 * slot + m
+        if _store_plain is None:
+            added = self._store_blocks(slot, m, engine_hashes, keys)
+        else:  # the common blocks in C; the first that needs more here, then C again from the next
+            added, start = 0, 0
+            while True:
+                ktab = self._ktab[m]
+                stop, self._rows, plain, wide = _store_plain(
+                    self._ehash.slots, ktab.slots, self._e_hash, self._e_key, self._e_list, self._e_count,
+                    self._s_key[m], self._ehash.homes, ktab.homes, _wrap64(lst * _LIST_MULT), lst,
+                    engine_hashes, keys, start, self._rows)
+                ktab.used += plain
+                self._ehash.used += plain
+                added += plain
+                if wide:
+                    self._unsigned_keys = True
+                if stop >= n:
+                    break
+                added += self._store_blocks(slot, m, engine_hashes[stop : stop + 1], keys[stop : stop + 1])
+                start = stop + 1
+        self._list_len[lst] += added
+        self._entries += added
+        if self._entries > self.capacity:
+            self._evict()
+
+    def _store_blocks(self, slot: int, m: int, engine_hashes: Sequence[EngineHash], keys: Sequence[int]) -> int:
+        """The store loop in Python (room reserved by the caller): every case, and the reference of the C loop
+        (router/index/_fastcompact.c), which hands it the blocks it does not take. Returns the new entries."""
         lo, hi = _I64_MIN, _I64_END
         mapped = [(h, False) if type(h) is int and lo <= h < hi else self._hash_value(h, slot) for h in engine_hashes]
         top = _U64_END
@@ -423,8 +461,6 @@ class CompactKvIndex:
         if not self._unsigned_keys and any(k < 0 for k in ks):  # (a negative key passed as such sets nothing)
             self._unsigned_keys = any(type(k) is int and k >= hi for k in keys)
         n = len(ks)
-        self._reserve(n)
-        m = int(medium)
         lst = 3 * slot + m
         # the loop below is _efind, _append and _hold inlined (one function call per block costs more than
         # the rest of the block's work)
@@ -484,10 +520,7 @@ class CompactKvIndex:
         self._rows = rows
         ktab.used += keys_added
         self._ehash.used += added
-        self._list_len[lst] += added
-        self._entries += added
-        if self._entries > self.capacity:
-            self._evict()
+        return added
 
     def _store_again(self, row: int, pos: int, m: int) -> None:
         """A hash the list holds stored again (hash-table slot ``pos``): one more copy, moved to the end."""
@@ -602,6 +635,31 @@ class CompactKvIndex:
         slot = self._slot.get(worker_id)
         if slot is None:
             return sum(1 for _ in engine_hashes)
+        if _remove_plain is None:
+            return self._remove_blocks(slot, medium, engine_hashes)
+        hashes = engine_hashes if isinstance(engine_hashes, Sequence) else list(engine_hashes)
+        m, n = int(medium), len(hashes)
+        lst = 3 * slot + m
+        unknown = start = 0
+        while True:  # the common blocks in C; the first that needs more here, then C again from the next
+            ktab = self._ktab[m]
+            stop, missing, dropped = _remove_plain(
+                self._ehash.slots, ktab.slots, self._e_hash, self._e_key, self._e_list, self._e_count,
+                self._s_key[m], self._ehash.homes, ktab.homes, _wrap64(lst * _LIST_MULT), lst, hashes, start,
+                bool(self._originals))
+            unknown += missing
+            if dropped:
+                self._holes += dropped
+                self._list_len[lst] -= dropped
+                self._entries -= dropped
+            if stop >= n:
+                return unknown
+            unknown += self._remove_blocks(slot, medium, hashes[stop : stop + 1])
+            start = stop + 1
+
+    def _remove_blocks(self, slot: int, medium: Medium, engine_hashes: Iterable[EngineHash]) -> int:
+        """The remove loop in Python: every case, and the reference of the C loop (router/index/_fastcompact.c),
+        which hands it the blocks it does not take. Returns how many hashes were unknown."""
         lst = 3 * slot + int(medium)
         unknown = 0
         lo, hi = _I64_MIN, _I64_END
