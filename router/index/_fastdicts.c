@@ -153,6 +153,10 @@ static int mask_bytes(PyObject *v, unsigned char *buf, size_t n) {
 #if PY_VERSION_HEX >= 0x030D0000
     Py_ssize_t r = PyLong_AsNativeBytes(v, buf, (Py_ssize_t)n,
                                         Py_ASNATIVEBYTES_LITTLE_ENDIAN | Py_ASNATIVEBYTES_UNSIGNED_BUFFER);
+    if (r > (Py_ssize_t)n) { /* (it says how many bytes it needed: a mask wider than the fleet) */
+        PyErr_SetString(PyExc_OverflowError, "holder mask wider than the index's slots");
+        return -1;
+    }
     return r < 0 ? -1 : 0;
 #else
     return _PyLong_AsByteArray((PyLongObject *)v, buf, n, 1, 0);
