@@ -310,3 +310,33 @@ def check_wide_fleet(index, tiered: bool) -> None:
     assert index.match(keys) == want
     assert index.match(keys[:3]) == {w: PrefixMatch(min(m.gpu, 3), min(m.cpu, 3 - min(m.gpu, 3)),
                                                     min(m.storage, 3 - min(m.gpu + m.cpu, 3))) for w, m in want.items()}
+
+
+any_hash = st.one_of(st.integers(0, 40), st.integers(2**63 - 2, 2**63 + 2), st.integers(-(2**63), -(2**63) + 2),
+                     st.integers(-5, -1), st.binary(min_size=1, max_size=2), st.booleans())
+any_key = st.one_of(st.integers(0, KEYS - 1), st.integers(2**64 - 3, 2**64 - 1), st.integers(2**63 - 1, 2**63 + 1))
+
+
+@LAYOUTS
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["store", "remove"]), worker, st.lists(st.tuples(any_hash, any_key),
+                                                                                    min_size=1, max_size=6), medium),
+                max_size=25))
+def test_the_compiled_loops_hand_back_every_kind_of_hash_and_key(Index, ops):
+    """Hashes the compiled loops do not take (uint64 above 2^63, negative, digest bytes, bools) and keys above
+    2^63, mixed with plain ones in one event: the compiled and the Python loops leave the same index."""
+    def run(index):
+        for kind, w, blocks, m in ops:
+            hashes = [h for h, _ in blocks]
+            if kind == "store":
+                index.store(w, hashes, [k for _, k in blocks], m)
+            else:
+                index.remove(w, hashes, m)
+        queries = [[k for _, k in blocks] for _, _, blocks, _ in ops]
+        return ({w: index.export_worker(w) for w in WORKERS}, [index.match(q) for q in queries],
+                {w: index.engine_hashes(w) for w in WORKERS})
+
+    fast = run(Index())
+    with python_loops():
+        python = run(Index())
+    assert fast == python
