@@ -120,3 +120,18 @@ def test_numpy_arrays_store_as_their_python_ints_would():
     a.store("s", np.arange(-40, 0, dtype=np.int64), np.arange(40, dtype=np.int64), Medium.GPU)
     assert a.engine_hashes("s")[Medium.GPU] == set(range(-40, 0))
     assert a.match([int(k) for k in keys[:3]]) == {"w": PrefixMatch(gpu=3)}
+
+
+@pytest.mark.parametrize("bad", [2**64, -1, "7"])
+def test_a_store_with_a_key_that_is_not_a_uint64_fails_whole(bad):
+    """A key past 64 bits fails the event before any of its blocks is stored (the compiled loop leaves the whole
+    event to the Python one when a key is not a plain uint64); a negative int64 key is stored as such."""
+    index = KvIndex()
+    index.store("w", [1], [10], Medium.GPU)
+    if bad == -1:
+        index.store("w", [2, 3], [11, bad], Medium.GPU)
+        assert index.match([10]) == {"w": PrefixMatch(1)} and len(index) == 3
+        return
+    with pytest.raises((OverflowError, TypeError)):
+        index.store("w", [2, 3], [11, bad], Medium.GPU)
+    assert len(index) == 1 and index.engine_hashes("w")[Medium.GPU] == {1}

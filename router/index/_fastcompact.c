@@ -96,23 +96,29 @@ static PyObject *store_plain(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "as many keys as engine hashes");
         goto done;
     }
+    for (Py_ssize_t j = start; j < n; j++) { /* a key that is not a uint64: the Python loop takes the whole rest,
+                                                  so that it fails before storing any of it */
+        PyObject *k_obj = PySequence_Fast_GET_ITEM(keys, j);
+        if (!PyLong_CheckExact(k_obj) || (PyLong_AsUnsignedLongLong(k_obj) == (unsigned long long)-1 &&
+                                          PyErr_Occurred())) {
+            PyErr_Clear();
+            result = Py_BuildValue("nnni", (Py_ssize_t)-1, row, (Py_ssize_t)0, 0);
+            goto done;
+        }
+    }
     Py_ssize_t i = start, added = 0;
     int wide = 0;
     for (; i < n; i++) {
         PyObject *h = PySequence_Fast_GET_ITEM(hashes, i), *k_obj = PySequence_Fast_GET_ITEM(keys, i);
-        if (!PyLong_CheckExact(h) || !PyLong_CheckExact(k_obj))
-            break; /* another kind of hash or key: the Python loop maps it */
+        if (!PyLong_CheckExact(h))
+            break; /* another kind of hash: the Python loop maps it */
         int overflow;
         long long v = PyLong_AsLongLongAndOverflow(h, &overflow);
         if (overflow || (v == -1 && PyErr_Occurred())) {
             PyErr_Clear();
             break; /* a uint64 above 2^63: the Python loop marks the worker unsigned */
         }
-        unsigned long long ku = PyLong_AsUnsignedLongLong(k_obj);
-        if (ku == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            break; /* a negative key or one past 64 bits: the Python loop says which */
-        }
+        unsigned long long ku = PyLong_AsUnsignedLongLong(k_obj); /* (checked above) */
         int64_t k = (int64_t)ku;
         /* the hash table: the first empty slot, unless the list holds the hash already */
         Py_ssize_t pos = home((int64_t)v ^ (int64_t)spread, ehome);

@@ -442,6 +442,9 @@ class CompactKvIndex:
                 added += plain
                 if wide:
                     self._unsigned_keys = True
+                if stop < 0:  # a key that is not a uint64: all of the rest in Python (it raises or maps them)
+                    added += self._store_blocks(slot, m, engine_hashes[start:], keys[start:])
+                    break
                 if stop >= n:
                     break
                 added += self._store_blocks(slot, m, engine_hashes[stop : stop + 1], keys[stop : stop + 1])
