@@ -182,12 +182,16 @@ static int record(Drops *d, PyObject *dropped, int64_t length) {
             if (d->len == d->cap) {
                 Py_ssize_t cap = d->cap ? 2 * d->cap : 64;
                 int64_t *s = PyMem_Realloc(d->slots, cap * sizeof(int64_t));
-                if (!s)
+                if (!s) {
+                    PyErr_NoMemory();
                     return -1;
+                }
                 d->slots = s;
                 int64_t *l = PyMem_Realloc(d->lengths, cap * sizeof(int64_t));
-                if (!l)
+                if (!l) {
+                    PyErr_NoMemory();
                     return -1;
+                }
                 d->lengths = l;
                 d->cap = cap;
             }
@@ -212,8 +216,10 @@ static PyObject *gpu_prefix(PyObject *self, PyObject *args) {
     Drops d = {NULL, NULL, 0, 0, NULL, (size_t)(width > 0 ? (width + 63) / 64 * 8 : 8)};
     PyObject *alive = NULL, *result = NULL;
     d.buf = PyMem_Malloc(d.nbytes);
-    if (!d.buf)
+    if (!d.buf) {
+        PyErr_NoMemory();
         goto done;
+    }
     Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
     if (n) {
         alive = PyDict_GetItemWithError(holders, PySequence_Fast_GET_ITEM(keys, 0));
@@ -258,8 +264,12 @@ static PyObject *gpu_prefix(PyObject *self, PyObject *args) {
     }
     if (alive && record(&d, alive, i) < 0) /* the rest matched up to where the walk stopped */
         goto done;
-    result = Py_BuildValue("NN", PyByteArray_FromStringAndSize((const char *)d.slots, d.len * 8),
-                           PyByteArray_FromStringAndSize((const char *)d.lengths, d.len * 8));
+    PyObject *slots = PyByteArray_FromStringAndSize((const char *)d.slots, d.len * 8);
+    PyObject *lengths = slots ? PyByteArray_FromStringAndSize((const char *)d.lengths, d.len * 8) : NULL;
+    if (lengths)
+        result = PyTuple_Pack(2, slots, lengths);
+    Py_XDECREF(slots);
+    Py_XDECREF(lengths);
 done:
     Py_XDECREF(alive);
     Py_DECREF(keys);
