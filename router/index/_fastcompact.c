@@ -96,8 +96,9 @@ static PyObject *store_plain(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "as many keys as engine hashes");
         goto done;
     }
-    for (Py_ssize_t j = start; j < n; j++) { /* a key that is not a uint64: the Python loop takes the whole rest,
-                                                  so that it fails before storing any of it */
+    /* a key that is not a uint64: the Python loop takes the whole event, so that it fails before storing any of
+     * it (checked on the event's first call; the later ones continue the same event) */
+    for (Py_ssize_t j = start ? n : 0; j < n; j++) {
         PyObject *k_obj = PySequence_Fast_GET_ITEM(keys, j);
         if (!PyLong_CheckExact(k_obj) || (PyLong_AsUnsignedLongLong(k_obj) == (unsigned long long)-1 &&
                                           PyErr_Occurred())) {
@@ -118,7 +119,13 @@ static PyObject *store_plain(PyObject *self, PyObject *args) {
             PyErr_Clear();
             break; /* a uint64 above 2^63: the Python loop marks the worker unsigned */
         }
-        unsigned long long ku = PyLong_AsUnsignedLongLong(k_obj); /* (checked above) */
+        if (!PyLong_CheckExact(k_obj))
+            break; /* (the first call checked every key: only a caller that changed them gets here) */
+        unsigned long long ku = PyLong_AsUnsignedLongLong(k_obj);
+        if (ku == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            break;
+        }
         int64_t k = (int64_t)ku;
         /* the hash table: the first empty slot, unless the list holds the hash already */
         Py_ssize_t pos = home((int64_t)v ^ (int64_t)spread, ehome);
