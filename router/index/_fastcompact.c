@@ -63,28 +63,99 @@ static inline void put(Column *c, Py_ssize_t i, int64_t v) {
     }
 }
 
+/* The index's arrays one call works on: the engine-hash table and the medium's key table (``_Table.slots``),
+ * the entry rows (hash, key, list, count) and the medium's shared keys; with the tables' homes, the list's
+ * probe spread and the list id. */
+typedef struct {
+    Column et, kt, mh, mk, ml, mc, sk;
+    int opened;
+    Py_ssize_t ehome, khome;
+    int64_t spread, lst;
+} Tables;
+
+static void close_tables(Tables *t) {
+    Column *cols[7] = {&t->et, &t->kt, &t->mh, &t->mk, &t->ml, &t->mc, &t->sk};
+    for (int j = 0; j < t->opened; j++)
+        PyBuffer_Release(&cols[j]->view);
+    t->opened = 0;
+}
+
+static int open_tables(PyObject *const arrays[7], Tables *t) {
+    static const int widths[7][2] = {{4, 4}, {4, 4}, {8, 8}, {8, 8}, {2, 4}, {2, 4}, {8, 8}};
+    Column *cols[7] = {&t->et, &t->kt, &t->mh, &t->mk, &t->ml, &t->mc, &t->sk};
+    for (t->opened = 0; t->opened < 7; t->opened++)
+        if (open_column(arrays[t->opened], cols[t->opened], widths[t->opened][0], widths[t->opened][1]) < 0) {
+            close_tables(t);
+            return -1;
+        }
+    return 0;
+}
+
+/* An engine hash as the int64 the index keeps it as; 0 when it is of another kind or outside int64 (the Python
+ * loop maps it, marking the worker unsigned for a uint64 above 2^63). */
+static int plain_hash(PyObject *h, int64_t *v) {
+    if (!PyLong_CheckExact(h))
+        return 0;
+    int overflow;
+    long long x = PyLong_AsLongLongAndOverflow(h, &overflow);
+    if (overflow || (x == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    *v = x;
+    return 1;
+}
+
+/* ``_efind`` of hash ``v`` in the list: the entry row holding it, or EMPTY (``*pos``: that slot, or the first
+ * empty one, where it would go). */
+static int64_t find_entry(const Tables *t, int64_t v, Py_ssize_t *pos) {
+    Py_ssize_t p = home(v ^ t->spread, t->ehome);
+    for (;;) {
+        int64_t r = get(&t->et, p);
+        if (r == EMPTY || (r >= 0 && get(&t->mh, r) == v && get(&t->ml, r) == t->lst)) {
+            *pos = p;
+            return r;
+        }
+        if (++p == t->et.len)
+            p = 0;
+    }
+}
+
+/* ``_kfind`` of key ``k``: the entry row holding it alone, -3 - its shared row, or EMPTY (``*pos``: that slot,
+ * or the first empty one). */
+static int64_t find_key(const Tables *t, int64_t k, Py_ssize_t *pos) {
+    Py_ssize_t p = home(k, t->khome);
+    for (;;) {
+        int64_t val = get(&t->kt, p);
+        if (val == EMPTY || (val >= 0 && get(&t->mk, val) == k) || (val <= -3 && get(&t->sk, -3 - val) == k)) {
+            *pos = p;
+            return val;
+        }
+        if (++p == t->kt.len)
+            p = 0;
+    }
+}
+
 /* store_plain(etab, ktab, e_hash, e_key, e_list, e_count, s_key, ehome, khome, spread, lst, hashes, keys,
  *             start, row) -> (stop, row, added, wide_keys)
  * From block ``start``: each block a new entry row (``row`` on), in the hash table at its first empty slot
- * and in the medium's key table. ``stop``: the first block it did not take (len(hashes) if it took them all);
- * ``wide_keys``: a key above 2^63 was seen (the index then gives keys back unsigned). */
+ * and in the medium's key table. ``stop``: the first block it did not take (len(hashes) if it took them all; -1,
+ * having taken none, when a key is not a uint64); ``wide_keys``: a key above 2^63 was seen (the index then
+ * gives keys back unsigned). */
 static PyObject *store_plain(PyObject *self, PyObject *args) {
     PyObject *arrays[7], *hashes_in, *keys_in;
-    Py_ssize_t ehome, khome, start, row;
+    Tables t;
+    Py_ssize_t start, row;
     long long spread, lst;
     if (!PyArg_ParseTuple(args, "OOOOOOOnnLLOOnn", &arrays[0], &arrays[1], &arrays[2], &arrays[3], &arrays[4],
-                          &arrays[5], &arrays[6], &ehome, &khome, &spread, &lst, &hashes_in, &keys_in, &start,
+                          &arrays[5], &arrays[6], &t.ehome, &t.khome, &spread, &lst, &hashes_in, &keys_in, &start,
                           &row))
         return NULL;
-    static const int widths[7][2] = {{4, 4}, {4, 4}, {8, 8}, {8, 8}, {2, 4}, {2, 4}, {8, 8}};
-    Column cols[7];
-    int opened = 0;
+    t.spread = spread;
+    t.lst = lst;
+    if (open_tables(arrays, &t) < 0)
+        return NULL;
     PyObject *hashes = NULL, *keys = NULL, *result = NULL;
-    for (; opened < 7; opened++)
-        if (open_column(arrays[opened], &cols[opened], widths[opened][0], widths[opened][1]) < 0)
-            goto done;
-    Column *et = &cols[0], *kt = &cols[1], *mh = &cols[2], *mk = &cols[3], *ml = &cols[4], *mc = &cols[5],
-           *sk = &cols[6];
     hashes = PySequence_Fast(hashes_in, "engine hashes must be a sequence");
     if (!hashes)
         goto done;
@@ -110,15 +181,10 @@ static PyObject *store_plain(PyObject *self, PyObject *args) {
     Py_ssize_t i = start, added = 0;
     int wide = 0;
     for (; i < n; i++) {
-        PyObject *h = PySequence_Fast_GET_ITEM(hashes, i), *k_obj = PySequence_Fast_GET_ITEM(keys, i);
-        if (!PyLong_CheckExact(h))
-            break; /* another kind of hash: the Python loop maps it */
-        int overflow;
-        long long v = PyLong_AsLongLongAndOverflow(h, &overflow);
-        if (overflow || (v == -1 && PyErr_Occurred())) {
-            PyErr_Clear();
-            break; /* a uint64 above 2^63: the Python loop marks the worker unsigned */
-        }
+        PyObject *k_obj = PySequence_Fast_GET_ITEM(keys, i);
+        int64_t v;
+        if (!plain_hash(PySequence_Fast_GET_ITEM(hashes, i), &v))
+            break;
         if (!PyLong_CheckExact(k_obj))
             break; /* (the first call checked every key: only a caller that changed them gets here) */
         unsigned long long ku = PyLong_AsUnsignedLongLong(k_obj);
@@ -127,48 +193,21 @@ static PyObject *store_plain(PyObject *self, PyObject *args) {
             break;
         }
         int64_t k = (int64_t)ku;
-        /* the hash table: the first empty slot, unless the list holds the hash already */
-        Py_ssize_t pos = home((int64_t)v ^ (int64_t)spread, ehome);
-        int again = 0;
-        for (;;) {
-            int64_t r = get(et, pos);
-            if (r == EMPTY)
-                break;
-            if (r >= 0 && get(mh, r) == v && get(ml, r) == lst) {
-                again = 1;
-                break;
-            }
-            if (++pos == et->len)
-                pos = 0;
-        }
-        if (again)
+        Py_ssize_t pos, kpos;
+        if (find_entry(&t, v, &pos) != EMPTY)
             break; /* stored again: the Python loop counts the copy */
-        /* the key table: an empty slot, unless some entry (or a shared row) holds the key already */
-        Py_ssize_t kpos = home(k, khome);
-        int held = 0;
-        for (;;) {
-            int64_t val = get(kt, kpos);
-            if (val == EMPTY)
-                break;
-            if ((val >= 0 && get(mk, val) == k) || (val <= -3 && get(sk, -3 - val) == k)) {
-                held = 1;
-                break;
-            }
-            if (++kpos == kt->len)
-                kpos = 0;
-        }
-        if (held)
+        if (find_key(&t, k, &kpos) != EMPTY)
             break; /* others hold it: the Python loop makes or extends its shared row */
-        if (row >= mh->len) {
+        if (row >= t.mh.len) {
             PyErr_SetString(PyExc_RuntimeError, "no room reserved for the entry rows");
             goto done;
         }
-        put(mh, row, v);
-        put(mk, row, k);
-        put(ml, row, lst);
-        put(mc, row, 1);
-        put(et, pos, row);
-        put(kt, kpos, row);
+        put(&t.mh, row, v);
+        put(&t.mk, row, k);
+        put(&t.ml, row, t.lst);
+        put(&t.mc, row, 1);
+        put(&t.et, pos, row);
+        put(&t.kt, kpos, row);
         row++;
         added++;
         if (ku >> 63)
@@ -178,11 +217,9 @@ static PyObject *store_plain(PyObject *self, PyObject *args) {
 done:
     Py_XDECREF(hashes);
     Py_XDECREF(keys);
-    for (int j = 0; j < opened; j++)
-        PyBuffer_Release(&cols[j].view);
+    close_tables(&t);
     return result;
 }
-
 
 /* remove_plain(etab, ktab, e_hash, e_key, e_list, e_count, s_key, ehome, khome, spread, lst, hashes, start,
  *              originals) -> (stop, unknown, dropped)
@@ -192,75 +229,48 @@ done:
  * while ``originals`` is set: non-int hashes are counted in a dict). */
 static PyObject *remove_plain(PyObject *self, PyObject *args) {
     PyObject *arrays[7], *hashes_in;
-    Py_ssize_t ehome, khome, start;
+    Tables t;
+    Py_ssize_t start;
     long long spread, lst;
     int originals;
     if (!PyArg_ParseTuple(args, "OOOOOOOnnLLOnp", &arrays[0], &arrays[1], &arrays[2], &arrays[3], &arrays[4],
-                          &arrays[5], &arrays[6], &ehome, &khome, &spread, &lst, &hashes_in, &start, &originals))
+                          &arrays[5], &arrays[6], &t.ehome, &t.khome, &spread, &lst, &hashes_in, &start,
+                          &originals))
         return NULL;
-    static const int widths[7][2] = {{4, 4}, {4, 4}, {8, 8}, {8, 8}, {2, 4}, {2, 4}, {8, 8}};
-    Column cols[7];
-    int opened = 0;
-    PyObject *hashes = NULL, *result = NULL;
-    for (; opened < 7; opened++)
-        if (open_column(arrays[opened], &cols[opened], widths[opened][0], widths[opened][1]) < 0)
-            goto done;
-    Column *et = &cols[0], *kt = &cols[1], *mh = &cols[2], *mk = &cols[3], *ml = &cols[4], *mc = &cols[5],
-           *sk = &cols[6];
-    hashes = PySequence_Fast(hashes_in, "engine hashes must be a sequence");
+    t.spread = spread;
+    t.lst = lst;
+    if (open_tables(arrays, &t) < 0)
+        return NULL;
+    PyObject *result = NULL, *hashes = PySequence_Fast(hashes_in, "engine hashes must be a sequence");
     if (!hashes)
         goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes), i = start, unknown = 0, dropped = 0;
     for (; i < n; i++) {
-        PyObject *h = PySequence_Fast_GET_ITEM(hashes, i);
-        if (!PyLong_CheckExact(h))
+        int64_t v;
+        if (!plain_hash(PySequence_Fast_GET_ITEM(hashes, i), &v))
             break;
-        int overflow;
-        long long v = PyLong_AsLongLongAndOverflow(h, &overflow);
-        if (overflow || (v == -1 && PyErr_Occurred())) {
-            PyErr_Clear();
-            break;
-        }
-        Py_ssize_t pos = home((int64_t)v ^ (int64_t)spread, ehome);
-        int64_t r;
-        for (;;) {
-            r = get(et, pos);
-            if (r == EMPTY || (r >= 0 && get(mh, r) == v && get(ml, r) == lst))
-                break;
-            if (++pos == et->len)
-                pos = 0;
-        }
+        Py_ssize_t pos, kpos;
+        int64_t r = find_entry(&t, v, &pos);
         if (r < 0) {
             unknown++;
             continue;
         }
-        int64_t count = get(mc, r);
+        int64_t count = get(&t.mc, r);
         if (count > 1) {
-            put(mc, r, count - 1);
+            put(&t.mc, r, count - 1);
             continue;
         }
-        int64_t k = get(mk, r);
-        Py_ssize_t kpos = home(k, khome);
-        int64_t val;
-        for (;;) {
-            val = get(kt, kpos);
-            if (val == EMPTY || (val >= 0 && get(mk, val) == k) || (val <= -3 && get(sk, -3 - val) == k))
-                break;
-            if (++kpos == kt->len)
-                kpos = 0;
-        }
-        if (val < 0 || originals)
+        if (find_key(&t, get(&t.mk, r), &kpos) < 0 || originals)
             break; /* a shared row (or a non-int hash's count): the Python loop */
-        put(et, pos, TOMB);
-        put(kt, kpos, TOMB);
-        put(ml, r, NO_LIST);
+        put(&t.et, pos, TOMB);
+        put(&t.kt, kpos, TOMB);
+        put(&t.ml, r, NO_LIST);
         dropped++;
     }
     result = Py_BuildValue("nnn", i, unknown, dropped);
 done:
     Py_XDECREF(hashes);
-    for (int j = 0; j < opened; j++)
-        PyBuffer_Release(&cols[j].view);
+    close_tables(&t);
     return result;
 }
 
