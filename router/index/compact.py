@@ -432,12 +432,9 @@ class CompactKvIndex:
         else:  # the common blocks in C; the first that needs more here, then C again from the next
             added, start = 0, 0
             while True:
-                ktab = self._ktab[m]
-                stop, self._rows, plain, wide = _store_plain(
-                    self._ehash.slots, ktab.slots, self._e_hash, self._e_key, self._e_list, self._e_count,
-                    self._s_key[m], self._ehash.homes, ktab.homes, _wrap64(lst * _LIST_MULT), lst,
-                    engine_hashes, keys, start, self._rows)
-                ktab.used += plain
+                stop, self._rows, plain, wide = _store_plain(*self._tables(m, lst), engine_hashes, keys, start,
+                                                             self._rows)
+                self._ktab[m].used += plain
                 self._ehash.used += plain
                 added += plain
                 if wide:
@@ -453,6 +450,14 @@ class CompactKvIndex:
         self._entries += added
         if self._entries > self.capacity:
             self._evict()
+
+    def _tables(self, m: int, lst: int) -> tuple:
+        """What the compiled loops work on, in place (router/index/_fastcompact.c: ``Tables``): the hash table and
+        medium ``m``'s key table, the entry rows, ``m``'s shared keys, the tables' homes, list ``lst``'s probe
+        spread and ``lst`` itself. Read afresh for each call: the arrays are replaced when they grow or widen."""
+        ktab = self._ktab[m]
+        return (self._ehash.slots, ktab.slots, self._e_hash, self._e_key, self._e_list, self._e_count, self._s_key[m],
+                self._ehash.homes, ktab.homes, _wrap64(lst * _LIST_MULT), lst)
 
     def _store_blocks(self, slot: int, m: int, engine_hashes: Sequence[EngineHash], keys: Sequence[int]) -> int:
         """The store loop in Python (room reserved by the caller): every case, and the reference of the C loop
@@ -645,11 +650,7 @@ class CompactKvIndex:
         lst = 3 * slot + m
         unknown = start = 0
         while True:  # the common blocks in C; the first that needs more here, then C again from the next
-            ktab = self._ktab[m]
-            stop, missing, dropped = _remove_plain(
-                self._ehash.slots, ktab.slots, self._e_hash, self._e_key, self._e_list, self._e_count,
-                self._s_key[m], self._ehash.homes, ktab.homes, _wrap64(lst * _LIST_MULT), lst, hashes, start,
-                bool(self._originals))
+            stop, missing, dropped = _remove_plain(*self._tables(m, lst), hashes, start, bool(self._originals))
             unknown += missing
             if dropped:
                 self._holes += dropped
