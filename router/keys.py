@@ -68,8 +68,9 @@ def chain_keys(
     ``extras`` has one entry per full block (or is None). Token ids must fit in uint32;
     ``OverflowError``/``ValueError`` otherwise, which event ingestion counts as malformed.
 
-    One hash call per block and nothing else per block: the chain is sequential (each block's seed is
-    the previous key), so this loop is the floor of event ingest's key cost (bench/index_bench.py).
+    The chain is sequential (each block's seed is the previous key), so it cannot be batched: without extra
+    keys it runs in C (router/_fastkeys.c) for the block sizes that covers; the Python loop below, one hash
+    call per block, is the reference and the rest.
     """
     if block_size <= 0:
         raise ValueError("block_size must be positive")
