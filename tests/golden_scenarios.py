@@ -8,7 +8,9 @@ same stream replayed through a rebuilt core must rank every request the same way
 ``tests/data/golden_decisions.json`` was made by the core before the plugin framework, and re-made
 (``python -m tests.golden_scenarios --record``) when decisions changed on purpose: the routing objective and
 engine metrics brought up to date by the router's own accounting (issue 15) changed ``precise``,
-``least_loaded`` and ``approx_prefix``; the other three are the original recording.
+``least_loaded`` and ``approx_prefix``; and again when the engine's running count stopped counting as
+another router's the requests it runs that the router still counts as waiting (their first token on its way:
+``precise``, ``least_loaded``, ``approx_prefix``); the other three are the original recording.
 """
 
 from __future__ import annotations

@@ -197,6 +197,63 @@ def test_a_scrape_counts_only_what_the_router_does_not_know_better():
     assert c.busy == 2  # least_loaded and approx_prefix read the same view
 
 
+def test_a_request_the_engine_runs_before_the_router_sees_its_first_token_is_not_another_routers():
+    """The engine counts a request as running from its first prefill step; the router counts it as waiting
+    until the first token reaches it. A scrape in between must not leave the engine's running count standing as
+    another router's once the request ends (that ghost priced a stall on a drained worker and sent a cache hit
+    elsewhere)."""
+    from router.load import EngineMetrics
+
+    core = core_with(1)
+    state = core.state
+    keys = request_keys(list(range(304)), BS)
+    core.load.dispatch("r0", "w0", 304, 304, 16, now=0.0, keys=keys, block_size=BS)
+    state.update_metrics("w0", EngineMetrics(0, 1, 20 / 1000, scraped_at=0.05, cache_tokens=1000 * BS))
+    core.load.first_token("r0", now=0.1)
+    view = state.engine_view("w0", state.fresh_metrics("w0", 0.1))
+    assert view is not None and (view.waiting, view.running) == (0, 1)  # ours, running
+    core.load.complete("r0", now=0.2)
+    view = state.engine_view("w0", state.fresh_metrics("w0", 0.3))
+    assert view is not None and (view.waiting, view.running) == (0, 0)
+    # another router's request running beside ours is still counted
+    core.load.dispatch("r1", "w0", 304, 304, 16, now=1.0, keys=keys, block_size=BS)
+    state.update_metrics("w0", EngineMetrics(0, 2, 40 / 1000, scraped_at=1.05, cache_tokens=1000 * BS))
+    core.load.complete("r1", now=1.2)
+    view = state.engine_view("w0", state.fresh_metrics("w0", 1.3))
+    assert view is not None and (view.waiting, view.running) == (0, 1)
+    # and one of theirs still waiting while ours waits too
+    core.load.dispatch("r2", "w0", 304, 304, 16, now=2.0, keys=keys, block_size=BS)
+    state.update_metrics("w0", EngineMetrics(2, 0, 0.0, scraped_at=2.05, cache_tokens=1000 * BS))
+    core.load.complete("r2", now=2.2)
+    view = state.engine_view("w0", state.fresh_metrics("w0", 2.3))
+    assert view is not None and (view.waiting, view.running) == (1, 0)
+
+
+def test_a_request_of_ours_that_ends_while_a_scrape_is_in_flight_is_not_another_routers():
+    """The engine takes its counts somewhere between the scrape leaving and its answer arriving. One of ours
+    that ended in between may be in the engine's counts and not in the router's at receipt: the router's own
+    counts when the scrape left bound what of the engine's counts is its own."""
+    from router.load import EngineMetrics
+
+    core = core_with(1)
+    state = core.state
+    keys = request_keys(list(range(304)), BS)
+    core.load.dispatch("r0", "w0", 304, 304, 16, now=0.0, keys=keys, block_size=BS)
+    core.load.first_token("r0", now=0.1)
+    state.scrape_sent("w0")
+    core.load.complete("r0", now=0.2)  # it ended while the scrape was on its way back
+    state.update_metrics("w0", EngineMetrics(0, 1, 20 / 1000, scraped_at=0.25, cache_tokens=1000 * BS))
+    view = state.engine_view("w0", state.fresh_metrics("w0", 0.3))
+    assert view is not None and (view.waiting, view.running) == (0, 0) and view.kv_usage == 0.0
+    # without the send-time counts (a scrape this state was not told of) the engine's count stands
+    core.load.dispatch("r1", "w0", 304, 304, 16, now=1.0, keys=keys, block_size=BS)
+    core.load.first_token("r1", now=1.1)
+    core.load.complete("r1", now=1.2)
+    state.update_metrics("w0", EngineMetrics(0, 1, 20 / 1000, scraped_at=1.25, cache_tokens=1000 * BS))
+    view = state.engine_view("w0", state.fresh_metrics("w0", 1.3))
+    assert view is not None and view.running == 1
+
+
 def test_the_metrics_parser_reads_from_the_families_it_uses_what_the_whole_exposition_says():
     """The scrape is cut to the families the router reads before Prometheus's parser sees it: the values must be
     what the parser reads from the whole text, with every other family (histograms, info, label values holding

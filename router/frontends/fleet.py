@@ -215,6 +215,7 @@ class Fleet:
             async with self._session.get(spec.url + "/health") as r:
                 ok = r.status == 200
             if ok:
+                self.core.scrape_sent(worker_id)
                 async with self._session.get(spec.url + "/metrics") as r:
                     if r.status == 200:
                         text = await r.text()

@@ -112,6 +112,9 @@ class RoutingCore:
             del self.dispatches[rid]
         self.state.remove_endpoint(worker_id)
 
+    def scrape_sent(self, worker_id: str) -> None:
+        self.state.scrape_sent(worker_id)
+
     def update_metrics(self, worker_id: str, metrics: EngineMetrics) -> None:
         self.state.update_metrics(worker_id, metrics)
 

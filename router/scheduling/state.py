@@ -46,8 +46,10 @@ class FleetState:
         self.prefill_only: set[str] = set()  # workers whose role is prefill: the fleet is disaggregated if any
         self.metrics: dict[str, EngineMetrics] = {}
         self.cache_tokens: dict[str, int] = {}  # per worker: GPU KV-cache capacity in tokens, when reported
-        # per worker: the router's own (waiting, running, KV blocks) there when its metrics were scraped
+        # per worker: the router's own (waiting, running, KV blocks) there when its metrics were scraped, and
+        # when the scrape now under way was sent (the engine's counts are taken somewhere between the two)
         self.own_at_scrape: dict[str, tuple[int, int, int]] = {}
+        self.own_at_scrape_sent: dict[str, tuple[int, int, int]] = {}
         # per worker: the first dispatch not yet followed by any KV event (for staleness)
         self.awaiting_events_since: dict[str, float] = {}
         self.changed: set[str] = set()  # workers whose metrics or capacity changed since the columns read them
@@ -69,22 +71,36 @@ class FleetState:
         self.speculative.forget_worker(worker_id)
         self.metrics.pop(worker_id, None)
         self.own_at_scrape.pop(worker_id, None)
+        self.own_at_scrape_sent.pop(worker_id, None)
         self.cache_tokens.pop(worker_id, None)
         self.cost.forget(worker_id)
         self.awaiting_events_since.pop(worker_id, None)
 
+    def _own_counts(self, worker_id: str) -> tuple[int, int, int]:
+        """The router's own (waiting, running, KV blocks) on a worker now."""
+        w = self.load.workers.get(worker_id)
+        return (w.requests - w.decoding, w.decoding, w.active_blocks) if w else (0, 0, 0)
+
+    def scrape_sent(self, worker_id: str) -> None:
+        """A metrics scrape of the worker is leaving now. The engine counts its requests at some moment before
+        the answer comes back; a request of ours that ended in between is in its counts but not in ours at
+        receipt, and would read as another router's until the next scrape."""
+        self.own_at_scrape_sent[worker_id] = self._own_counts(worker_id)
+
     def update_metrics(self, worker_id: str, metrics: EngineMetrics) -> None:
         """A scrape. The engine's work counters going backwards mean a new process, even one that restarted
         between two probes without ever failing one: its cache is empty, so its credit ends until its events
-        prove its state."""
+        prove its state. What is the router's own in the engine's counts is the larger of its own counts when
+        the scrape left (``scrape_sent``) and when it came back: the engine counted somewhere between, and
+        taking the larger never counts one of ours as another router's."""
         prev = self.metrics.get(worker_id)
         if (prev is not None and prev.work_tokens is not None and metrics.work_tokens is not None
                 and metrics.work_tokens < prev.work_tokens):
             self.worker_failed(worker_id, metrics.scraped_at)
         self.metrics[worker_id] = metrics
         self.changed.add(worker_id)
-        w = self.load.workers.get(worker_id)
-        self.own_at_scrape[worker_id] = (w.requests - w.decoding, w.decoding, w.active_blocks) if w else (0, 0, 0)
+        now_own, sent = self._own_counts(worker_id), self.own_at_scrape_sent.pop(worker_id, None)
+        self.own_at_scrape[worker_id] = now_own if sent is None else tuple(map(max, now_own, sent))
         if metrics.cache_tokens and self.cache_tokens.get(worker_id) != metrics.cache_tokens:
             self.cache_tokens[worker_id] = metrics.cache_tokens
             self.reuse.set_window(sum(self.cache_tokens.values()) // self.block_size)  # the fleet's cache
@@ -149,7 +165,11 @@ class FleetState:
         """A scrape brought up to date: the engine's counts are the router's own requests plus others' (other
         routers'); the scrape is up to a scrape interval old, and the router knows exactly what of its own has
         started and ended since, so only the part of the counts beyond its own at scrape time is taken from the
-        engine. (A raw scrape would keep a worker that has just drained looking busy until the next one.)"""
+        engine. (A raw scrape would keep a worker that has just drained looking busy until the next one.)
+
+        The engine may count as running one the router still counts as waiting (its first token is on the
+        way): the router's waiting beyond the engine's waiting count are running there, so only the engine's
+        running beyond those and the router's running are another router's."""
         if metrics is None:
             return None
         at = self.own_at_scrape.get(worker_id)
@@ -164,8 +184,9 @@ class FleetState:
         if kv is not None and cap:
             blocks = cap // self.block_size
             kv = min(1.0, (max(0.0, kv * blocks - at[2]) + w.active_blocks) / blocks)
+        started = max(0.0, at[0] - m.waiting) if m.waiting is not None else 0.0  # ours waiting here, running there
         return EngineMetrics(None if m.waiting is None else max(0.0, m.waiting - at[0]) + waiting,
-                             None if m.running is None else max(0.0, m.running - at[1]) + running,
+                             None if m.running is None else max(0.0, m.running - at[1] - started) + running,
                              kv, m.scraped_at, m.cache_tokens, m.work_tokens)
 
     def index_state(self, worker_id: str, now: float) -> str:
