@@ -33,13 +33,17 @@ BS = 16
 NOW = 100.0
 
 
-@pytest.fixture(autouse=True, params=["small-fleet paths", "array paths"])
+@pytest.fixture(autouse=True, params=["small-fleet paths", "array paths", "scalar objective"])
 def paths(request, monkeypatch):
-    """Every test twice: with the scorer's and the picker's few-worker shortcuts (a scalar memory wait per
-    worker, Python's sort) as they are, and with the arrays forced for any fleet."""
+    """Every test three times: with the scorer's and the picker's few-worker shortcuts (the objective on each
+    candidate's floats, a scalar memory wait per worker, Python's sort) as they are; with the arrays forced for
+    any fleet; and with the objective priced candidate by candidate for any fleet."""
     if request.param == "array paths":
         monkeypatch.setattr(latency_cost, "SCALAR_WAITS", 0)
+        monkeypatch.setattr(latency_cost, "SCALAR_CANDIDATES", 0)
         monkeypatch.setattr(min_score, "SORTED_UP_TO", 0)
+    elif request.param == "scalar objective":
+        monkeypatch.setattr(latency_cost, "SCALAR_CANDIDATES", 1 << 30)
 
 
 def chain(rng: random.Random, n: int, base: list[int] | None = None) -> list[int]:

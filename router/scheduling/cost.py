@@ -33,6 +33,8 @@ request the engine reports waiting that this router did not send).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -71,7 +73,7 @@ class CostParams:
             raise ValueError(f"unknown cost parameters {sorted(bad)}; known: {sorted(known)}")
         return cls(**data)
 
-    @property
+    @cached_property  # (read by every pricing of a candidate; the params are frozen)
     def timing(self) -> StepTiming:
         return StepTiming(self.prefill_a, self.prefill_b, self.prefill_c, self.decode_a, self.decode_b,
                           self.decode_c, self.load_back_ms_per_token)
@@ -247,50 +249,56 @@ class CostModel:
     def estimate_many(self, cols: Columns, reuse: float | None = None) -> Estimates:
         """Every candidate's terms at once (numpy over the candidates: a decision over a thousand workers costs
         a few array operations, not a thousand function calls)."""
+        return Estimates(*self.terms(np, cols, reuse))
+
+    def terms(self, xp: Any, cols: Columns, reuse: float | None = None) -> tuple:
+        """The objective's terms, in ``Estimates``' field order, of the candidates ``cols`` holds: arrays of them
+        with ``xp`` numpy, or one candidate's floats with ``xp`` router/scheduling/scalar_ops.py's ``SCALAR_OPS``
+        (``cols`` then holds that candidate's numbers). One formula for both, the same to the last bit."""
         p, t = self.params, self.params.timing
         bs, prompt, max_tokens = cols.block_size, cols.prompt_tokens, cols.max_tokens
-        gpu, cpu, storage = (np.asarray(x, dtype=float) for x in (cols.gpu, cols.cpu, cols.storage))
-        hit = np.minimum((gpu + cpu + storage) * bs, max(prompt - 1, 0))
+        gpu, cpu, storage = (xp.asarray(x, dtype=float) for x in (cols.gpu, cols.cpu, cols.storage))
+        hit = xp.minimum((gpu + cpu + storage) * bs, max(prompt - 1, 0))
         uncached = prompt - hit
-        pending = np.asarray(cols.pending, dtype=float)
-        running = np.asarray(cols.running, dtype=float)
-        others_left = np.asarray(cols.others_left, dtype=float)
-        inflight = np.maximum(np.asarray(cols.inflight, dtype=float), 1.0)
-        overlap = np.minimum(1.0, others_left / inflight / max_tokens) if max_tokens else np.ones_like(pending)
-        cap = np.asarray(cols.cap_blocks, dtype=float)
+        pending = xp.asarray(cols.pending, dtype=float)
+        running = xp.asarray(cols.running, dtype=float)
+        others_left = xp.asarray(cols.others_left, dtype=float)
+        inflight = xp.maximum(xp.asarray(cols.inflight, dtype=float), 1.0)
+        overlap = xp.minimum(1.0, others_left / inflight / max_tokens) if max_tokens else xp.ones_like(pending)
+        cap = xp.asarray(cols.cap_blocks, dtype=float)
         known = cap > 0
-        safe_cap = np.where(known, cap, 1.0)
-        used = np.asarray(cols.used, dtype=float)
-        new = np.asarray(cols.new_blocks, dtype=float)
-        kv = np.asarray(cols.kv, dtype=float)
-        p0 = np.where(known, used / safe_cap, kv)
-        p1 = np.where(known, (used + new) / safe_cap, kv)
-        own_p = np.where(known, (overlap * used + new) / safe_cap, kv)
-        dk = np.asarray(cols.decode_slope, dtype=float)
-        k = np.asarray(cols.ttft_slope, dtype=float)
+        safe_cap = xp.where(known, cap, 1.0)
+        used = xp.asarray(cols.used, dtype=float)
+        new = xp.asarray(cols.new_blocks, dtype=float)
+        kv = xp.asarray(cols.kv, dtype=float)
+        p0 = xp.where(known, used / safe_cap, kv)
+        p1 = xp.where(known, (used + new) / safe_cap, kv)
+        own_p = xp.where(known, (overlap * used + new) / safe_cap, kv)
+        dk = xp.asarray(cols.decode_slope, dtype=float)
+        k = xp.asarray(cols.ttft_slope, dtype=float)
 
-        model_own_step = t.decode_s_array(own_p)
-        d0, d1, own_step = dk * t.decode_s_array(p0), dk * t.decode_s_array(p1), dk * model_own_step
-        floor = np.where(running > 0, d0, 0.0)
+        model_own_step = t.decode_s_array(own_p, xp)
+        d0, d1, own_step = dk * t.decode_s_array(p0, xp), dk * t.decode_s_array(p1, xp), dk * model_own_step
+        floor = xp.where(running > 0, d0, 0.0)
         budget = p.step_token_budget
-        own, steps = t.prefill_s_array(uncached, budget, floor)
-        queue = np.where(pending > 0, t.prefill_s_array(pending + uncached, budget, floor)[0] - own, 0.0)
+        own, steps = t.prefill_s_array(uncached, budget, floor, xp)
+        queue = xp.where(pending > 0, t.prefill_s_array(pending + uncached, budget, floor, xp)[0] - own, 0.0)
         load_back = (cpu * bs * t.load_back_ms_per_token + storage * bs * p.storage_ms_per_token) / 1000.0
         model_ttft = queue + own + load_back
         ttft = k * model_ttft
         queue_s = k * queue
         prefill_s = ttft - queue_s
-        stall = running * np.maximum(0.0, k * own - steps * d0)
+        stall = running * xp.maximum(0.0, k * own - steps * d0)
         if max_tokens:
-            others_left = np.minimum(others_left, running * max_tokens)  # slowed only while it decodes
+            others_left = xp.minimum(others_left, running * max_tokens)  # slowed only while it decodes
         slowdown = others_left * (d1 - d0)
         share = p.reuse_prior if reuse is None else reuse
-        overflow = uncached + max_tokens - np.maximum(0.0, cap * bs - np.asarray(cols.resident, dtype=float))
-        overflow = np.where(known, np.maximum(overflow, 0.0), 0.0)
-        eviction = share * k * t.prefill_s_array(overflow, budget)[0]  # their re-prefill, priced cold
-        return Estimates(queue_s + np.asarray(cols.memory_wait, dtype=float), prefill_s, max_tokens * own_step,
-                         uncached, stall, slowdown, eviction, p.kv_load_weight, own_step,
-                         np.where(pending > 0, 0.0, model_ttft), model_own_step)
+        overflow = uncached + max_tokens - xp.maximum(0.0, cap * bs - xp.asarray(cols.resident, dtype=float))
+        overflow = xp.where(known, xp.maximum(overflow, 0.0), 0.0)
+        eviction = share * k * t.prefill_s_array(overflow, budget, 0.0, xp)[0]  # their re-prefill, priced cold
+        return (queue_s + xp.asarray(cols.memory_wait, dtype=float), prefill_s, max_tokens * own_step,
+                uncached, stall, slowdown, eviction, p.kv_load_weight, own_step,
+                xp.where(pending > 0, 0.0, model_ttft), model_own_step)
 
     # ---- learning ---------------------------------------------------------------------------------
     def observe_ttft(self, worker_id: str, model_s: float | None, observed_s: float) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -41,19 +42,20 @@ class StepTiming:
         p = min(max(kv_usage, 0.0), 1.0)
         return max(0.0, self.decode_a * p * p + self.decode_b * p + self.decode_c)
 
-    # the same two shapes over arrays (the routing objective prices every candidate at once), in seconds
-    def decode_s_array(self, kv_usage: np.ndarray) -> np.ndarray:
-        p = np.clip(kv_usage, 0.0, 1.0)
-        return np.maximum(0.0, self.decode_a * p * p + self.decode_b * p + self.decode_c) / 1000.0
+    # the same two shapes over arrays (the routing objective prices every candidate at once), in seconds;
+    # ``xp``: numpy, or router/scheduling/scalar_ops.py's functions for one candidate's floats
+    def decode_s_array(self, kv_usage: np.ndarray, xp: Any = np) -> np.ndarray:
+        p = xp.clip(kv_usage, 0.0, 1.0)
+        return xp.maximum(0.0, self.decode_a * p * p + self.decode_b * p + self.decode_c) / 1000.0
 
-    def prefill_s_array(self, tokens: np.ndarray, budget: int, floor_s: np.ndarray | float = 0.0
+    def prefill_s_array(self, tokens: np.ndarray, budget: int, floor_s: np.ndarray | float = 0.0, xp: Any = np
                         ) -> tuple[np.ndarray, np.ndarray]:
         """``EngineProfile.prefill_s`` over arrays: seconds to prefill ``tokens`` in steps of at most ``budget``,
         each lasting at least ``floor_s``; and the steps."""
-        steps = np.ceil(tokens / max(budget, 1))
-        chunk = tokens / np.maximum(steps, 1.0)
+        steps = xp.ceil(tokens / max(budget, 1))
+        chunk = tokens / xp.maximum(steps, 1.0)
         per_step = (self.prefill_a * chunk * chunk + self.prefill_b * chunk + self.prefill_c) / 1000.0
-        return np.where(tokens > 0, steps * np.maximum(per_step, floor_s), 0.0), steps
+        return xp.where(tokens > 0, steps * xp.maximum(per_step, floor_s), 0.0), steps
 
 
 DEFAULT_TIMING = StepTiming()

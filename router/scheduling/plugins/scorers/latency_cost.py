@@ -10,15 +10,18 @@ the search for the blocks it shares with them."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 
-from router.scheduling.cost import CostParams
+from router.scheduling.cost import CostParams, Estimates
 from router.scheduling.engine_profile import StepTiming
 from router.scheduling.plugins.base import Scorer
+from router.scheduling.scalar_ops import SCALAR_OPS
 from router.scheduling.snapshot import Candidate, Snapshot
 
 
@@ -32,6 +35,12 @@ class LatencyCostParams:
 # up to this many workers needing a memory wait, each is asked its own (``LoadTracker.release_wait_s``); more:
 # one binary search over the fleet's padded release schedules (the same answer; tests run both)
 SCALAR_WAITS = 32
+# up to this many candidates the objective is priced on each one's floats: a numpy call costs about a microsecond
+# whatever its size, and the objective is a hundred of them (router/scheduling/scalar_ops.py; tests run both)
+SCALAR_CANDIDATES = 8
+
+_N_TERMS = len(dataclasses.fields(Estimates))
+_WEIGHT = [f.name for f in dataclasses.fields(Estimates)].index("kv_load_weight")
 
 _REPORTED = ("queue_s", "prefill_s", "decode_s", "ttft_s", "stall_s", "interference_s", "eviction_s", "step_s",
              "model_ttft_s", "model_step_s")
@@ -54,67 +63,117 @@ class LatencyCost(Scorer):
         return out.tolist()
 
     def score_slots(self, snap: Snapshot, slots: np.ndarray) -> np.ndarray:
-        req, costs, cols = snap.request, snap.costs, snap.cols
-        p: CostParams = costs.params
-        bs, n_keys, tail = req.block_size, len(req.keys), snap.tail
+        """Every candidate priced by one formula (``_inputs``, then ``CostModel.terms``): on arrays over the
+        candidates, or, up to ``SCALAR_CANDIDATES`` of them, on each one's floats (the same scores, sooner)."""
+        cols = snap.cols
         match = snap.match_arrays()
         # every worker in order (the usual case): the columns as they are, no copies
         sel = slice(None) if len(slots) == snap.size and bool((slots == np.arange(snap.size)).all()) else slots
-        has_load = cols.has_load[sel]
-        requests, decoding = cols.requests[sel], cols.decoding[sel]
-        active = cols.active_blocks[sel]
-        pending = cols.pending[sel]
-        capacity = cols.capacity[sel]
-        # the engine's counts, where its metrics are fresh (``Columns.add``'s rules, over arrays)
-        fresh = snap.fresh[sel]
-        waiting, running_m, kv = cols.waiting[sel], cols.running[sel], cols.kv[sel]
-        has_w = fresh & ~np.isnan(waiting)
-        has_r = fresh & ~np.isnan(running_m)
-        has_kv = fresh & ~np.isnan(kv)
-        ours = requests - decoding
-        pending = pending + np.where(has_w, np.maximum(0.0, np.trunc(np.where(has_w, waiting, 0.0)) - ours), 0.0) \
-            * p.waiting_prompt_tokens
-        running = np.where(has_r, np.maximum(decoding, np.trunc(np.where(has_r, running_m, 0.0))), decoding)
-        kv = np.where(has_kv, kv, 0.0)
-        cap = np.floor_divide(capacity, bs)
-        used = np.where((cap > 0) & has_kv, np.maximum(active, kv * cap), active)
-        shared = snap.shared_prefix_blocks(slots)
-        new = n_keys - shared + tail
-        # memory wait: only where its blocks do not fit beside what the requests in flight hold
-        wait = np.zeros(len(slots))
-        waits = (capacity > 0) & has_load & (requests > 0)
-        room = cap - active
-        over = n_keys - shared + tail - room
-        need = waits & (n_keys + tail > room) & (over > 0)
-        if need.any():
-            at = np.flatnonzero(need)
-            if len(at) <= SCALAR_WAITS:  # a few: each worker's own binary search costs less than the arrays
-                ids, profile, release_wait_s = snap.ids, costs.profile, snap._state.load.release_wait_s
-                for k, i, blocks, a, c in zip(at.tolist(), slots[at].tolist(), over[at].tolist(),
-                                              active[at].tolist(), capacity[at].tolist(), strict=True):
-                    step = profile(ids[i]).decode_step_s(int(a) * bs / int(c))
-                    wait[k] = release_wait_s(ids[i], int(blocks), snap.now, step)
-            else:
-                step = _decode_step_s(p.timing, cols.decode_intercept[slots[at]], cols.decode_slope[slots[at]],
-                                      active[at] * bs / capacity[at])
-                wait[at] = cols.release_waits(slots[at], over[at], step, snap.now)
-        known = capacity > 0
-        resident = np.zeros(len(slots))
-        if known.any():
-            resident[known] = snap.resident_blocks(slots[known]) * snap._state.block_size
-        arrays = SimpleNamespace(
-            prompt_tokens=req.prompt_tokens, block_size=bs, max_tokens=req.max_tokens,
-            gpu=match["matched_gpu"][sel], cpu=match["matched_cpu"][sel],
-            storage=match["matched_storage"][sel], pending=pending, running=running,
-            others_left=p.remaining_fraction * cols.output_tokens[sel], inflight=np.maximum(requests, running),
-            cap_blocks=cap, used=used, kv=kv, new_blocks=new, resident=resident, memory_wait=wait,
+        c = SimpleNamespace(
+            has_load=cols.has_load[sel], requests=cols.requests[sel], decoding=cols.decoding[sel],
+            active=cols.active_blocks[sel], pending=cols.pending[sel], capacity=cols.capacity[sel],
+            fresh=snap.fresh[sel], waiting=cols.waiting[sel], running=cols.running[sel], kv=cols.kv[sel],
+            shared=snap.shared_prefix_blocks(slots), gpu=match["matched_gpu"][sel], cpu=match["matched_cpu"][sel],
+            storage=match["matched_storage"][sel], output_tokens=cols.output_tokens[sel],
             ttft_slope=cols.ttft_slope[sel], decode_slope=cols.decode_slope[sel])
-        est = costs.estimate_many(arrays, snap.reuse)  # type: ignore[arg-type]
+        if len(slots) <= SCALAR_CANDIDATES:
+            est = self._priced_each(snap, slots, c)
+        else:
+            est = self._priced_at_once(snap, slots, c)
         snap.set_reports(slots, queue_s=est.queue_s, prefill_s=est.prefill_s, decode_s=est.decode_s,
                          ttft_s=est.queue_s + est.prefill_s, stall_s=est.stall_s,
                          interference_s=est.stall_s + est.slowdown_s, eviction_s=est.eviction_s, step_s=est.step_s,
                          model_ttft_s=est.model_ttft_s, model_step_s=est.model_step_s)
         return est.scores(self.params.kv_load_weight)
+
+    def _priced_at_once(self, snap: Snapshot, slots: np.ndarray, c: SimpleNamespace) -> Estimates:
+        req, costs, cols = snap.request, snap.costs, snap.cols
+        bs, n_keys, tail = req.block_size, len(req.keys), snap.tail
+        pending, running, kv, cap, used, new, need, over = _inputs(np, c, n_keys, tail, bs, costs.params)
+        # memory wait: only where its blocks do not fit beside what the requests in flight hold
+        wait = np.zeros(len(slots))
+        if need.any():
+            at = np.flatnonzero(need)
+            if len(at) <= SCALAR_WAITS:  # a few: each worker's own binary search costs less than the arrays
+                for k, i, blocks, a, capacity in zip(at.tolist(), slots[at].tolist(), over[at].tolist(),
+                                                     c.active[at].tolist(), c.capacity[at].tolist(), strict=True):
+                    wait[k] = _release_wait_s(snap, i, blocks, a, capacity)
+            else:
+                step = _decode_step_s(costs.params.timing, cols.decode_intercept[slots[at]],
+                                      cols.decode_slope[slots[at]], c.active[at] * bs / c.capacity[at])
+                wait[at] = cols.release_waits(slots[at], over[at], step, snap.now)
+        known = c.capacity > 0
+        resident = np.zeros(len(slots))
+        if known.any():
+            resident[known] = snap.resident_blocks(slots[known]) * snap._state.block_size
+        arrays = _objective_columns(np, snap, c, pending, running, kv, cap, used, new, resident, wait)
+        return costs.estimate_many(arrays, snap.reuse)  # type: ignore[arg-type]
+
+    def _priced_each(self, snap: Snapshot, slots: np.ndarray, c: SimpleNamespace) -> Estimates:
+        req, costs = snap.request, snap.costs
+        p = costs.params
+        bs, n_keys, tail, reuse = req.block_size, len(req.keys), snap.tail, snap.reuse
+        names = list(vars(c))
+        columns = [getattr(c, name).tolist() for name in names]
+        resident_of: dict[int, float] = {}
+        known = [k for k, capacity in enumerate(c.capacity.tolist()) if capacity > 0]
+        if known:
+            resident_of = dict(zip(known, (snap.resident_blocks(slots[known]) * snap._state.block_size).tolist(),
+                                   strict=True))
+        rows = []
+        one = SimpleNamespace()
+        for k, (i, values) in enumerate(zip(slots.tolist(), zip(*columns, strict=True), strict=True)):
+            one.__dict__.update(zip(names, values, strict=True))
+            pending, running, kv, cap, used, new, need, over = _inputs(SCALAR_OPS, one, n_keys, tail, bs, p)
+            wait = _release_wait_s(snap, i, over, one.active, one.capacity) if need else 0.0
+            one_row = _objective_columns(SCALAR_OPS, snap, one, pending, running, kv, cap, used, new,
+                                         resident_of.get(k, 0.0), wait)
+            rows.append(costs.terms(SCALAR_OPS, one_row, reuse))  # type: ignore[arg-type]
+        columns_of = list(np.array(rows, dtype=float).reshape(len(rows), _N_TERMS).T)  # one conversion
+        columns_of[_WEIGHT] = p.kv_load_weight  # (Estimates' one field that is not per candidate)
+        return Estimates(*columns_of)
+
+
+def _inputs(xp: Any, c: SimpleNamespace, n_keys: int, tail: int, bs: int, p: CostParams) -> tuple:
+    """What the objective reads of the candidates ``c`` holds (arrays with ``xp`` numpy, one candidate's numbers
+    with ``SCALAR_OPS``): pending prefill tokens, running requests and KV use with the engine's counts where its
+    metrics are fresh (``Columns.add``'s rules), the capacity and use in blocks, the blocks this request adds,
+    whether it must wait for memory and how many blocks it lacks room for."""
+    has_w = xp.logical_and(c.fresh, xp.logical_not(xp.isnan(c.waiting)))
+    has_r = xp.logical_and(c.fresh, xp.logical_not(xp.isnan(c.running)))
+    has_kv = xp.logical_and(c.fresh, xp.logical_not(xp.isnan(c.kv)))
+    ours = c.requests - c.decoding
+    pending = c.pending + xp.where(has_w, xp.maximum(0.0, xp.trunc(xp.where(has_w, c.waiting, 0.0)) - ours), 0.0) \
+        * p.waiting_prompt_tokens
+    running = xp.where(has_r, xp.maximum(c.decoding, xp.trunc(xp.where(has_r, c.running, 0.0))), c.decoding)
+    kv = xp.where(has_kv, c.kv, 0.0)
+    cap = xp.floor_divide(c.capacity, bs)
+    used = xp.where(xp.logical_and(cap > 0, has_kv), xp.maximum(c.active, kv * cap), c.active)
+    new = n_keys - c.shared + tail
+    room = cap - c.active
+    over = n_keys - c.shared + tail - room
+    waits = xp.logical_and(xp.logical_and(c.capacity > 0, c.has_load), c.requests > 0)
+    need = xp.logical_and(xp.logical_and(waits, n_keys + tail > room), over > 0)
+    return pending, running, kv, cap, used, new, need, over
+
+
+def _objective_columns(xp: Any, snap: Snapshot, c: SimpleNamespace, pending: Any, running: Any, kv: Any, cap: Any,
+                       used: Any, new: Any, resident: Any, wait: Any) -> SimpleNamespace:
+    """What ``CostModel.terms`` reads (``Columns``' names), from ``_inputs``' results and the candidates' own."""
+    req = snap.request
+    return SimpleNamespace(
+        prompt_tokens=req.prompt_tokens, block_size=req.block_size, max_tokens=req.max_tokens, gpu=c.gpu, cpu=c.cpu,
+        storage=c.storage, pending=pending, running=running,
+        others_left=snap.costs.params.remaining_fraction * c.output_tokens, inflight=xp.maximum(c.requests, running),
+        cap_blocks=cap, used=used, kv=kv, new_blocks=new, resident=resident, memory_wait=wait,
+        ttft_slope=c.ttft_slope, decode_slope=c.decode_slope)
+
+
+def _release_wait_s(snap: Snapshot, slot: int, blocks: float, active: float, capacity: float) -> float:
+    """One worker's memory wait: until its requests in flight free ``blocks`` (its own binary search)."""
+    wid = snap.ids[slot]
+    step = snap.costs.profile(wid).decode_step_s(int(active) * snap.request.block_size / int(capacity))
+    return snap._state.load.release_wait_s(wid, int(blocks), snap.now, step)
 
 
 def _decode_step_s(t: StepTiming, intercept: np.ndarray, slope: np.ndarray, kv_usage: np.ndarray) -> np.ndarray:
