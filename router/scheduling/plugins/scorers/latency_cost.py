@@ -37,7 +37,7 @@ class LatencyCostParams:
 SCALAR_WAITS = 32
 # up to this many candidates the objective is priced on each one's floats: a numpy call costs about a microsecond
 # whatever its size, and the objective is a hundred of them (router/scheduling/scalar_ops.py; tests run both)
-SCALAR_CANDIDATES = 8
+SCALAR_CANDIDATES = 6
 
 _N_TERMS = len(dataclasses.fields(Estimates))
 _WEIGHT = [f.name for f in dataclasses.fields(Estimates)].index("kv_load_weight")
