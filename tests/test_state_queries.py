@@ -159,6 +159,21 @@ def test_a_worker_reporting_far_fewer_cached_tokens_than_promised_loses_credit()
     assert core.index_state("w0", 0.4) == "unverified" and credit_of(core, tokens, "w0", 0.4) == 0
 
 
+def test_prompts_shorter_than_a_block_owe_no_events():
+    """An engine publishes whole blocks: a worker that served only prompts shorter than one published nothing
+    and is not stale for it (the proxy bench's one-line prompts had both workers reported stale and their
+    credit dropped); one prompt of a full block starts the clock."""
+    core = core_with(1)
+    for i in range(5):
+        short = list(range(i, i + BS - 1))
+        core.dispatch(route(short, f"s{i}"), core.decide(route(short, f"s{i}"), float(i)), "w0", float(i))
+    assert "w0" not in core.state.awaiting_events_since
+    assert core.index_state("w0", 5.0 + core.config.stale_after_s + 1) == "synced"
+    full = list(range(BS))
+    core.dispatch(route(full, "f"), core.decide(route(full, "f"), 6.0), "w0", 6.0)
+    assert core.index_state("w0", 6.0 + core.config.stale_after_s + 1) == "stale"
+
+
 def test_a_refused_request_owes_no_events_and_leaves_no_speculative_credit():
     core = core_with(2)
     tokens = list(range(20 * BS))

@@ -121,7 +121,11 @@ class Dispatch:
             r = state.load.inflight[req.request_id]
             (state.shared_load.local_reassigned if reassigned else state.shared_load.local_dispatched)(
                 req.request_id, r)
-        recorded = (state.note_dispatch(worker_id, now), state.speculative.record(worker_id, req.keys, now))
+        # only a prompt of a full block or more owes events (an engine publishes whole blocks): a worker serving
+        # short prompts publishes nothing and is not stale for it
+        owes = req.prompt_tokens >= req.block_size
+        recorded = (state.note_dispatch(worker_id, now) if owes else None,
+                    state.speculative.record(worker_id, req.keys, now))
         self._undo = [u for u in recorded if u is not None]
         for p in self.plugins:
             u = p.on_dispatch(req, worker_id, now)
