@@ -3,6 +3,7 @@
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -281,6 +282,29 @@ def test_wide_fleets_read_drop_masks_as_words_as_bit_by_bit(width, data):
     wide = residency._drop_lengths(events, width)
     bits = residency._drop_lengths_by_bit(events)
     assert wide[0].tolist() == bits[0].tolist() and wide[1].tolist() == bits[1].tolist()
+
+
+@pytest.mark.skipif(residency._gpu_prefix is None, reason="the compiled loops did not build here")
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([1, 5, 63, 64, 65, 130, 1000]), st.data())
+def test_the_compiled_gpu_walk_equals_the_python_walk(width, data):
+    """The compiled match walk (holder masks read as 64-bit words) against the Python walk and its reading of
+    the drop masks, on any holders: masks with holes (a worker holding a block without the one before), empty
+    masks, blocks nobody holds."""
+    n = data.draw(st.integers(0, 30))
+    keys = list(range(1000, 1000 + n))
+    holders = {}
+    for k in keys:
+        kind = data.draw(st.sampled_from(["absent", "empty", "dense", "sparse"]))
+        if kind == "empty":
+            holders[k] = 0
+        elif kind != "absent":
+            draw = st.integers(0, (1 << width) - 1)
+            holders[k] = data.draw(draw) | (((1 << width) - 1) if kind == "dense" else 0) & data.draw(draw)
+    slots, lengths = residency._gpu_prefix(holders, keys, width)
+    want = residency._drop_lengths(KvIndex()._walk_gpu_only(keys, holders), width)
+    assert np.frombuffer(slots, dtype=np.int64).tolist() == want[0].tolist()
+    assert np.frombuffer(lengths, dtype=np.int64).tolist() == want[1].tolist()
 
 
 @pytest.mark.parametrize("Index, loops", [(KvIndex, nullcontext), (KvIndex, python_loops),

@@ -166,45 +166,57 @@ static int mask_bytes(PyObject *v, unsigned char *buf, size_t n) {
 typedef struct {
     int64_t *slots, *lengths;
     Py_ssize_t len, cap;
-    unsigned char *buf;
     size_t nbytes;
 } Drops;
 
-/* Record every slot whose bit is set in ``dropped`` with ``length``, in ascending slot order. */
-static int record(Drops *d, PyObject *dropped, int64_t length) {
-    if (mask_bytes(dropped, d->buf, d->nbytes) < 0)
+/* A holder mask as ``n / 8`` 64-bit words, word 0 holding slots 0-63. */
+static int mask_words(PyObject *v, uint64_t *words, size_t n) {
+    if (mask_bytes(v, (unsigned char *)words, n) < 0)
         return -1;
-    for (size_t j = 0; j < d->nbytes; j++) {
-        unsigned char byte = d->buf[j];
-        while (byte) {
-            int b = __builtin_ctz(byte);
-            byte &= (unsigned char)(byte - 1);
-            if (d->len == d->cap) {
-                Py_ssize_t cap = d->cap ? 2 * d->cap : 64;
-                int64_t *s = PyMem_Realloc(d->slots, cap * sizeof(int64_t));
-                if (!s) {
-                    PyErr_NoMemory();
-                    return -1;
-                }
-                d->slots = s;
-                int64_t *l = PyMem_Realloc(d->lengths, cap * sizeof(int64_t));
-                if (!l) {
-                    PyErr_NoMemory();
-                    return -1;
-                }
-                d->lengths = l;
-                d->cap = cap;
-            }
-            d->slots[d->len] = (int64_t)(j * 8 + (size_t)b);
-            d->lengths[d->len++] = length;
-        }
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    for (size_t w = 0; w < n / 8; w++)
+        words[w] = __builtin_bswap64(words[w]);
+#endif
+    return 0;
+}
+
+/* Room for one more (slot, length) pair. */
+static int grow(Drops *d) {
+    Py_ssize_t cap = d->cap ? 2 * d->cap : 64;
+    int64_t *s = PyMem_Realloc(d->slots, cap * sizeof(int64_t));
+    if (!s) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    d->slots = s;
+    int64_t *l = PyMem_Realloc(d->lengths, cap * sizeof(int64_t));
+    if (!l) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    d->lengths = l;
+    d->cap = cap;
+    return 0;
+}
+
+/* Record every slot whose bit is set in word ``w`` of a mask (bits ``w * 64`` on) with ``length``, ascending. */
+static int record_word(Drops *d, size_t w, uint64_t bits, int64_t length) {
+    while (bits) {
+        int b = __builtin_ctzll(bits);
+        bits &= bits - 1;
+        if (d->len == d->cap && grow(d) < 0)
+            return -1;
+        d->slots[d->len] = (int64_t)(w * 64 + (size_t)b);
+        d->lengths[d->len++] = length;
     }
     return 0;
 }
 
-/* gpu_prefix(holders, keys, width) -> (slots, lengths): ``KvIndex.match_lengths`` for a GPU-only index, as two
- * bytearrays of int64. The walk ANDs a mask of still-matching workers along ``keys`` (the Python walk's rule);
- * at each block where some drop out, their slots get the length they reached, in ascending slot order. */
+/* gpu_prefix(holders, keys, width) -> (slots, lengths) as int64 bytes
+ * The walk of ``KvIndex._walk_gpu_only`` and the reading of its drop masks (``_drop_lengths``) in one: the
+ * workers still matching are kept as 64-bit words, each key's holder mask is read into words once, and a
+ * worker drops out (with the length it reached) where its bit leaves; the rest matched up to where the walk
+ * stopped. Slots come out by the length they reached, then ascending, as the Python reading gives them. */
 static PyObject *gpu_prefix(PyObject *self, PyObject *args) {
     PyObject *holders, *keys_in;
     Py_ssize_t width;
@@ -213,57 +225,50 @@ static PyObject *gpu_prefix(PyObject *self, PyObject *args) {
     PyObject *keys = PySequence_Fast(keys_in, "keys must be a sequence");
     if (!keys)
         return NULL;
-    Drops d = {NULL, NULL, 0, 0, NULL, (size_t)(width > 0 ? (width + 63) / 64 * 8 : 8)};
-    PyObject *alive = NULL, *result = NULL;
-    d.buf = PyMem_Malloc(d.nbytes);
-    if (!d.buf) {
+    size_t words = (size_t)(width > 0 ? (width + 63) / 64 : 1);
+    Drops d = {NULL, NULL, 0, 0, words * 8};
+    PyObject *result = NULL;
+    uint64_t *alive = PyMem_Calloc(words, sizeof(uint64_t)), *mask = PyMem_Calloc(words, sizeof(uint64_t));
+    if (!alive || !mask) {
         PyErr_NoMemory();
         goto done;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), i = 1;
+    int any = 0;
     if (n) {
-        alive = PyDict_GetItemWithError(holders, PySequence_Fast_GET_ITEM(keys, 0));
-        if (!alive && PyErr_Occurred())
+        PyObject *first = PyDict_GetItemWithError(holders, PySequence_Fast_GET_ITEM(keys, 0)); /* borrowed */
+        if (!first && PyErr_Occurred())
             goto done;
-        Py_XINCREF(alive);
+        if (first) {
+            if (mask_words(first, alive, d.nbytes) < 0)
+                goto done;
+            for (size_t w = 0; w < words; w++)
+                any |= alive[w] != 0;
+        }
     }
-    Py_ssize_t i = 1;
-    for (; alive && i < n; i++) {
-        PyObject *mask = PyDict_GetItemWithError(holders, PySequence_Fast_GET_ITEM(keys, i));
-        if (!mask) {
+    for (; any && i < n; i++) {
+        PyObject *m = PyDict_GetItemWithError(holders, PySequence_Fast_GET_ITEM(keys, i));
+        if (!m) {
             if (PyErr_Occurred())
                 goto done;
             break; /* nobody holds block i: every worker still in stops at i */
         }
-        PyObject *still = PyNumber_And(alive, mask);
-        if (!still)
+        if (mask_words(m, mask, d.nbytes) < 0)
             goto done;
-        int same = PyObject_RichCompareBool(still, alive, Py_EQ);
-        if (same < 0) {
-            Py_DECREF(still);
-            goto done;
-        }
-        if (same) {
-            Py_DECREF(still);
-            continue;
-        }
-        PyObject *dropped = PyNumber_Xor(alive, still); /* (still is within alive) */
-        int rc = dropped ? record(&d, dropped, i) : -1;
-        Py_XDECREF(dropped);
-        Py_DECREF(alive);
-        alive = still;
-        if (rc < 0)
-            goto done;
-        int any = PyObject_IsTrue(alive);
-        if (any < 0)
-            goto done;
-        if (!any) {
-            Py_CLEAR(alive);
-            break;
+        any = 0;
+        for (size_t w = 0; w < words; w++) {
+            uint64_t still = alive[w] & mask[w], gone = alive[w] ^ still;
+            if (gone && record_word(&d, w, gone, i) < 0)
+                goto done;
+            alive[w] = still;
+            any |= still != 0;
         }
     }
-    if (alive && record(&d, alive, i) < 0) /* the rest matched up to where the walk stopped */
-        goto done;
+    if (any) { /* the rest matched up to where the walk stopped */
+        for (size_t w = 0; w < words; w++)
+            if (alive[w] && record_word(&d, w, alive[w], i) < 0)
+                goto done;
+    }
     PyObject *slots = PyByteArray_FromStringAndSize((const char *)d.slots, d.len * 8);
     PyObject *lengths = slots ? PyByteArray_FromStringAndSize((const char *)d.lengths, d.len * 8) : NULL;
     if (lengths)
@@ -271,9 +276,9 @@ static PyObject *gpu_prefix(PyObject *self, PyObject *args) {
     Py_XDECREF(slots);
     Py_XDECREF(lengths);
 done:
-    Py_XDECREF(alive);
     Py_DECREF(keys);
-    PyMem_Free(d.buf);
+    PyMem_Free(alive);
+    PyMem_Free(mask);
     PyMem_Free(d.slots);
     PyMem_Free(d.lengths);
     return result;
