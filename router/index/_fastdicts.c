@@ -171,6 +171,13 @@ typedef struct {
 
 /* A holder mask as ``n / 8`` 64-bit words, word 0 holding slots 0-63. */
 static int mask_words(PyObject *v, uint64_t *words, size_t n) {
+    if (n == 8) { /* a fleet of up to 64 slots: one word, read directly */
+        unsigned long long u = PyLong_AsUnsignedLongLong(v);
+        if (u == (unsigned long long)-1 && PyErr_Occurred())
+            return -1;
+        words[0] = (uint64_t)u;
+        return 0;
+    }
     if (mask_bytes(v, (unsigned char *)words, n) < 0)
         return -1;
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
