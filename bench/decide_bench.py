@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.load import p99
+from bench.load import build_extensions, p99
 from router.index import Medium
 from router.keys import request_keys
 from router.load import EngineMetrics
@@ -138,6 +138,7 @@ def compare(baseline: str, quick: bool, rounds: int, policies: tuple[str, ...]) 
         subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), baseline], check=True,
                        capture_output=True)
         try:
+            build_extensions(tree)
             runs: dict[str, list[dict]] = {"current": [], "baseline": []}
             for _ in range(rounds):
                 runs["current"].append(_subprocess_run(None, quick, policies))  # type: ignore[arg-type]

@@ -125,7 +125,7 @@ def against_revision(revision: str, rounds: int = 4, n: int = 600, body_mode: st
     import subprocess
     import sys
 
-    from bench.load import port_open, running
+    from bench.load import build_extensions, port_open, running
 
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                           check=True).stdout.strip()
@@ -134,6 +134,7 @@ def against_revision(revision: str, rounds: int = 4, n: int = 600, body_mode: st
         os.makedirs(old_tree)
         archive = subprocess.run(["git", "-C", root, "archive", revision], capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", old_tree], input=archive, check=True)
+        build_extensions(old_tree)
         workers = sim_workers(stack, 2, "--time-scale", "0")
         addrs = [w.address for w in workers]
         listen = free_port()

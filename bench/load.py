@@ -19,6 +19,15 @@ from typing import Any
 import aiohttp
 
 
+def build_extensions(tree: str | os.PathLike[str]) -> None:
+    """Compile a baseline tree's C extensions in place (its ``setup.py``), as ``pip install -e`` did for this
+    one: a tree without them runs the pure-Python reference loops, and a comparison against it would time those
+    loops, not the commit."""
+    if os.path.exists(os.path.join(tree, "setup.py")):
+        subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree, check=True,
+                       capture_output=True)
+
+
 def p99(xs: Sequence[float]) -> float:
     """Nearest-rank 99th percentile (the sample at index 0.99 n of the sorted ones)."""
     s = sorted(xs)

@@ -228,13 +228,14 @@ def against_revision(revision: str, rounds: int = 6, n: int = 600, processes: in
     import sys
     import tempfile
 
-    from bench.load import port_open, running
+    from bench.load import build_extensions, port_open, running
 
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                           check=True).stdout.strip()
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="kvrouter-ab-") as old_tree:
         archive = subprocess.run(["git", "-C", root, "archive", revision], capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", old_tree], input=archive, check=True)
+        build_extensions(old_tree)
         workers = sim_workers(stack, 2, "--time-scale", "0")
         urls, pids = {}, {}
         for name, tree in ((revision, old_tree), ("this tree", root)):
