@@ -140,9 +140,10 @@ def compare(baseline: str, quick: bool, rounds: int, policies: tuple[str, ...]) 
         try:
             build_extensions(tree)
             runs: dict[str, list[dict]] = {"current": [], "baseline": []}
-            for _ in range(rounds):
-                runs["current"].append(_subprocess_run(None, quick, policies))  # type: ignore[arg-type]
-                runs["baseline"].append(_subprocess_run(tree, quick, policies))
+            for r in range(rounds):  # which goes first alternates: neither always meets the machine fresh
+                for name in ("current", "baseline") if r % 2 == 0 else ("baseline", "current"):
+                    runs[name].append(_subprocess_run(None if name == "current" else tree,  # type: ignore[arg-type]
+                                                      quick, policies))
         finally:
             subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], check=False,
                            capture_output=True)
