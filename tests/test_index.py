@@ -307,6 +307,19 @@ def test_the_compiled_gpu_walk_equals_the_python_walk(width, data):
     assert np.frombuffer(lengths, dtype=np.int64).tolist() == want[1].tolist()
 
 
+@pytest.mark.skipif(residency._gpu_prefix is None, reason="the compiled loops did not build here")
+@pytest.mark.parametrize("width", [64, 130, 1000])
+def test_the_compiled_gpu_walk_refuses_a_mask_wider_than_the_slots(width):
+    """A holder mask with a bit past the slots' words is an error, not a silently truncated mask (the in-place
+    reading of an int's digits checks each digit, including one whose bits straddle the last word)."""
+    words = (width + 63) // 64
+    for bit in (64 * words, 64 * words + 40):
+        with pytest.raises(OverflowError):
+            residency._gpu_prefix({1: 1 << bit}, [1, 2], width)
+    slots, lengths = residency._gpu_prefix({1: 1 << (64 * words - 1)}, [1], width)  # the last bit of the words
+    assert np.frombuffer(slots, dtype=np.int64).tolist() == [64 * words - 1]
+
+
 @pytest.mark.parametrize("Index, loops", [(KvIndex, nullcontext), (KvIndex, python_loops),
                                           (CompactKvIndex, nullcontext), (CompactKvIndex, python_loops)],
                          ids=["dicts", "dicts-python-loops", "compact", "compact-python-loops"])

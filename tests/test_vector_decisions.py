@@ -22,7 +22,7 @@ from router.scheduling.plugins.filters.in_subset import InSubset
 from router.scheduling.plugins.filters.not_draining import NotDraining
 from router.scheduling.plugins.filters.serves_model import ServesModel
 from router.scheduling.plugins.pickers import min_score
-from router.scheduling.plugins.pickers.min_score import MinScore
+from router.scheduling.plugins.pickers.min_score import SORTED_UP_TO, MinScore
 from router.scheduling.plugins.pickers.random_pick import RandomPick
 from router.scheduling.plugins.pickers.round_robin import RoundRobin
 from router.scheduling.plugins.scorers import latency_cost
@@ -214,6 +214,21 @@ def test_min_score_rank_equals_pick(seed):
         a, b = cls(rng=random.Random(3)), cls(rng=random.Random(3))
         for _ in range(3):
             assert a.rank(snap, slots, scores) == b.pick(snap, snap.candidates, scores)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_min_score_rank_equals_pick_without_ties(seed):
+    """Scores that all round apart (the ranking skips its tie-break sort): still pick's order, and the generator
+    still moved by one draw per candidate; past 256 candidates the draws come from one ``getrandbits``."""
+    rng = random.Random(seed)
+    n = rng.choice([SORTED_UP_TO + 1, 100, 300])
+    scores = rng.sample(range(10 * n), n)
+    scores = [x / 7 for x in scores]
+    core, req = random_fleet(seed, n=n)
+    snap = Snapshot(core.state, req, NOW)
+    a, b = MinScore(rng=random.Random(7)), MinScore(rng=random.Random(7))
+    assert a.rank(snap, np.arange(n), scores) == b.pick(snap, snap.candidates, scores)
+    assert a.rng.random() == b.rng.random()
 
 
 class PerCandidateOnly(Filter):

@@ -15,6 +15,7 @@ the most entries loses its oldest ones, the ones its engine is likeliest to have
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -98,7 +99,8 @@ class KvIndex:
         self._dup_keys: dict[tuple[int, int, int], int] = {}
         self._entries = 0
         self.evicted_entries = 0
-        self._held_len: list[int] = []  # entries per (slot, medium), at 3 x slot + medium: ``blocks_by_slot``
+        # entries per (slot, medium), at 3 x slot + medium: ``blocks_by_slot`` (int64s: read by numpy in place)
+        self._held_len = array("q")
         self.slot_epoch = 0  # +1 whenever a worker takes or gives up a slot (callers cache slot maps by it)
 
     # ---- workers -------------------------------------------------------------------------
@@ -337,7 +339,8 @@ class KvIndex:
     def blocks_by_slot(self, medium: Medium) -> np.ndarray:
         """``blocks_held_on`` of every worker at once, by slot (``slot_of``): a decision over a thousand workers
         reads one array, not a thousand calls."""
-        return np.array(self._held_len[medium::3], dtype=np.int64)
+        # (a copy: the view would keep the array from growing)
+        return np.frombuffer(self._held_len, dtype=np.int64)[medium::3].copy()
 
     def match(self, keys: Sequence[int]) -> dict[str, PrefixMatch]:
         """Each worker's longest consecutive prefix of ``keys`` (from block 0), by tier.

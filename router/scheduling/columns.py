@@ -3,9 +3,10 @@
 A decision over a thousand workers must not build a thousand objects or call a thousand functions: it reads
 these columns and works on arrays. They are refreshed at the start of each decision for the workers whose facts
 changed since the last one (the load tracker, the metrics scrapes and the cost model's fits name them), so the
-refresh costs the workers that changed, not the fleet. Facts that change behind the state's back (the index's
-residency, the event feed's sync, the endpoints' flags, which callers may set directly) are not held here: the
-snapshot reads them per decision.
+refresh costs the workers that changed, not the fleet. The endpoints' flags, which callers may set directly, are
+re-read when any endpoint's field was written (``Endpoint.writes`` counts them). Facts that change behind the
+state's back (the index's residency, the event feed's sync) are not held here: the snapshot reads them per
+decision.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from router.scheduling.types import Endpoint
+
 if TYPE_CHECKING:
     from router.scheduling.state import FleetState
-    from router.scheduling.types import Endpoint
 
 _NAN = float("nan")
+ROLE_CODES = {"both": 0, "prefill": 1, "decode": 2}  # ``role_code``; any other role reads as 3
 
 
 class FleetColumns:
@@ -36,6 +39,7 @@ class FleetColumns:
         self.endpoints: list[Endpoint] = []
         self._generation = 0  # +1 at each rebuild (the slots changed)
         self._index_maps: tuple[Any, int, int, np.ndarray, np.ndarray] | None = None
+        self._flags_at = -1  # ``Endpoint.writes`` when the flags were read
         self._rebuild()
 
     # ---- upkeep -----------------------------------------------------------------------------------
@@ -55,7 +59,12 @@ class FleetColumns:
         st.load.changed.clear()
         st.changed.clear()
         st.cost.changed.clear()
-        self.endpoints = list(eps.values())
+        endpoints = list(eps.values())
+        # (list equality: identity first, so a thousand unchanged endpoints compare at C speed; an endpoint
+        # replaced by an equal one keeps the same flags)
+        if Endpoint.writes != self._flags_at or endpoints != self.endpoints:
+            self._read_flags(endpoints)
+        self.endpoints = endpoints
 
     def _rebuild(self) -> None:
         st = self._state
@@ -76,6 +85,26 @@ class FleetColumns:
         self.release_freed = np.full((n, 1), np.inf)
         for i, wid in enumerate(self.ids):
             self._read(i, wid)
+        self._read_flags(list(st.endpoints.values()))
+
+    def _read_flags(self, endpoints: list[Endpoint]) -> None:
+        """The endpoints' flags as read-only arrays by slot (what the filters and the snapshot ask of every
+        worker at each decision), re-read only when some endpoint's field was written (``Endpoint.writes``)."""
+        self._flags_at = Endpoint.writes
+        n = len(endpoints)
+
+        def column(values: Any, dtype: type) -> np.ndarray:
+            arr = np.fromiter(values, dtype=dtype, count=n)
+            arr.flags.writeable = False
+            return arr
+
+        self.healthy = column((ep.healthy for ep in endpoints), bool)
+        self.draining = column((ep.draining for ep in endpoints), bool)
+        self.publishes = column((ep.events for ep in endpoints), bool)
+        self.role_code = column((ROLE_CODES.get(ep.role, len(ROLE_CODES)) for ep in endpoints), np.int8)
+        self.all_publish = bool(self.publishes.all())
+        self.all_roles_both = bool((self.role_code == ROLE_CODES["both"]).all())
+        self.any_models = any(ep.models for ep in endpoints)
 
     def _read(self, i: int, wid: str) -> None:
         st = self._state

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -27,7 +26,6 @@ from router.scheduling.types import REPORT_FIELDS, CandidateReport, Endpoint, Ro
 
 # the CandidateReport fields from queue_s to score, as a new candidate starts them
 _NO_COSTS = (0.0,) * (REPORT_FIELDS.index("score") - REPORT_FIELDS.index("queue_s") + 1)
-_EVENTS = attrgetter("events")
 
 
 @dataclass(slots=True)
@@ -69,8 +67,7 @@ class Snapshot:
         # index states: "synced" but for the few workers something marks (no events, a feed not synced or
         # suspect, dispatches not followed by events for a while), each then asked the state's own rule
         self.states: dict[int, str] = {}
-        events = list(map(_EVENTS, self.endpoint_list))
-        marked = set() if all(events) else {i for i, e in enumerate(events) if not e}
+        marked = set() if cols.all_publish else set(np.flatnonzero(~cols.publishes).tolist())
         slot, feeds = self.slot, state.feeder.feeds
         for wid, f in feeds.items():
             if not f.synced or f.suspect_since is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 
 def hit_tokens(matched_blocks: int, block_size: int, prompt_tokens: int) -> int:
@@ -27,6 +27,13 @@ class Endpoint:
     url: str = ""  # http base URL, for the proxy
     events: bool = True  # publishes KV events (else it can only ever be routed on load)
     role: str = "both"  # prefill | decode | both (prefill/decode disaggregation: router/scheduling/disagg.py)
+    # how many field writes every Endpoint has seen (its own class attribute, not a field): callers may set a
+    # flag directly (``ep.healthy = False``), and the fleet's columns of flags are rebuilt when this moves
+    writes: ClassVar[int] = 0
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        Endpoint.writes += 1
 
     def serves(self, model: str | None, lora: str | None, role: str = "decode") -> bool:
         """``role``: what the request asks of it: ``decode`` (generate: every request, aggregated or the decode

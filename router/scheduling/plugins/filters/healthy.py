@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from operator import attrgetter
-
 import numpy as np
 
 from router.scheduling.plugins.base import Filter
 from router.scheduling.snapshot import Candidate, Snapshot
-
-_HEALTHY = attrgetter("healthy")
 
 
 class Healthy(Filter):
@@ -19,7 +15,7 @@ class Healthy(Filter):
         return None if cand.endpoint.healthy else "unhealthy"
 
     def mask(self, snap: Snapshot) -> np.ndarray:
-        return np.fromiter(map(_HEALTHY, snap.endpoint_list), dtype=bool, count=snap.size)
+        return snap.cols.healthy
 
     def reason(self, snap: Snapshot, slot: int) -> str:
         return "unhealthy"

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from operator import attrgetter
-
 import numpy as np
 
 from router.scheduling.plugins.base import Filter
 from router.scheduling.snapshot import Candidate, Snapshot
-
-_DRAINING = attrgetter("draining")
 
 
 class NotDraining(Filter):
@@ -19,7 +15,7 @@ class NotDraining(Filter):
         return "draining" if cand.endpoint.draining else None
 
     def mask(self, snap: Snapshot) -> np.ndarray:
-        return ~np.fromiter(map(_DRAINING, snap.endpoint_list), dtype=bool, count=snap.size)
+        return ~snap.cols.draining
 
     def reason(self, snap: Snapshot, slot: int) -> str:
         return "draining"

@@ -3,15 +3,12 @@ prefill-only worker never generates; a decode-only one never prefills for anothe
 
 from __future__ import annotations
 
-from operator import attrgetter
-
 import numpy as np
 
+from router.scheduling.columns import ROLE_CODES
 from router.scheduling.plugins.base import Filter
 from router.scheduling.snapshot import Candidate, Snapshot
 from router.scheduling.types import Endpoint
-
-_MODELS, _ROLE = attrgetter("models"), attrgetter("role")
 
 
 class ServesModel(Filter):
@@ -22,11 +19,13 @@ class ServesModel(Filter):
         return self._why(snap, cand.endpoint)
 
     def mask(self, snap: Snapshot) -> np.ndarray:
-        req = snap.request
+        req, cols = snap.request, snap.cols
         model, lora, role, eps = req.model, req.lora, req.role, snap.endpoint_list
-        every_role = list(map(_ROLE, eps)).count("both") == len(eps)
-        if every_role and not lora and (model is None or not any(map(_MODELS, eps))):
-            return np.ones(snap.size, dtype=bool)  # the usual fleet: every worker serves every model, both roles
+        if not lora and (model is None or not cols.any_models):  # every worker serves the model: roles only
+            if cols.all_roles_both:
+                return np.ones(snap.size, dtype=bool)  # the usual fleet
+            if role in ROLE_CODES:
+                return (cols.role_code == ROLE_CODES["both"]) | (cols.role_code == ROLE_CODES[role])
         # ``Endpoint.serves`` written inline: a method call per worker is most of this filter's cost
         if lora:
             ok = (ep.role in ("both", role) and lora in ep.loras for ep in eps)

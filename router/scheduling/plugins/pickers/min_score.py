@@ -64,5 +64,7 @@ def min_score_order(scores: Sequence[float], rng: random.Random) -> np.ndarray:
     boundary = gap > 1e-8  # apart by more than 1e-8: they round apart; equal: they round alike
     for k in np.flatnonzero(~boundary & (gap != 0)).tolist():
         boundary[k] = round(float(ss[k]), 9) != round(float(ss[k + 1]), 9)
+    if boundary.all():  # every score rounds apart from its neighbours: no tie to break
+        return by_score
     group = np.concatenate(([0], np.cumsum(boundary)))
     return by_score[np.lexsort((draws[by_score], group))]
