@@ -9,7 +9,11 @@ apart). Between decisions the request is dispatched to the chosen worker and com
 decision also rebuilds that one worker's memory-release schedule, as it would live.
 
 The 1,000-worker cells (``8k@1000``, ``32k@1000``; 256 workers with ``--quick``) are read against the 64-worker
-ones of the same run: a decision's per-candidate work is what grows with the fleet.
+ones of the same run: a decision's per-candidate work is what grows with the fleet. The cells of one prompt
+size are built first and then timed in turns of ``CHUNK`` decisions each (after ``WARMUP`` untimed ones), so
+that a change in the machine's speed during the run (2x within minutes on these shared machines) hits every
+cell alike; before this the cells ran one after the other (a ``--baseline`` tree that predates it times them
+so).
 
 Every precise cell also reports the index match alone (``match_p50_ms``: ``index.match`` of the prompt's keys,
 the part of a decision the router's scheduling code does not own) and the run names its index layout
@@ -63,29 +67,42 @@ def _core(n_workers: int, keys: list[int], blocks_per_worker: int, rng: random.R
     return core
 
 
-def _time_cell(core: RoutingCore, keys: list[int], n_tokens: int, iters: int, label: str, p50: dict[str, float],
-               p99_ms: dict[str, float], match_p50: dict[str, float] | None = None) -> None:
-    """``match_p50``: also the index match alone (``index.match`` of the prompt's keys), a decision's floor."""
-    samples = []
+CHUNK = 25  # decisions a cell times in each of its turns
+WARMUP = 5  # decisions each turn runs first, untimed: the turn's timed decisions meet caches as a run of them would
+
+
+def _time_cells(cells: dict[str, RoutingCore], keys: list[int], n_tokens: int, iters: int,
+                p50: dict[str, float], p99_ms: dict[str, float], match_p50: dict[str, float] | None = None) -> None:
+    """Time every cell's decisions, the cells taking turns ``CHUNK`` decisions at a time, so that the fleet
+    sizes of one prompt meet the machine alike (their ratio is what the bench reports; on these shared
+    machines the speed of the same code moved 2x within minutes). Each turn first runs ``WARMUP`` decisions
+    untimed, so that the other cells' turns do not leave the timed ones a colder cache than a run of decisions
+    on one fleet has. ``match_p50``: also the index match alone (``index.match`` of the prompt's keys), a
+    decision's floor."""
+    samples: dict[str, list[float]] = {label: [] for label in cells}
     gc.collect()
-    for i in range(iters):
-        req = RouteRequest(f"r{i}", keys, n_tokens, BLOCK, 128)
-        t0 = time.perf_counter()
-        d = core.decide(req, now=0.5)
-        samples.append((time.perf_counter() - t0) * 1e3)
-        # as in a live router, the chosen worker's requests change before the next decision
-        core.dispatch(req, d, d.chosen, now=0.5)
-        core.completed(req.request_id, now=0.5)
-    samples.sort()
-    p50[label] = round(statistics.median(samples), 4)
-    p99_ms[label] = round(p99(samples), 4)
-    if match_p50 is not None:
-        alone = []
-        for _ in range(max(10, iters // 8)):
-            t0 = time.perf_counter()
-            core.index.match(keys)
-            alone.append((time.perf_counter() - t0) * 1e3)
-        match_p50[label] = round(statistics.median(alone), 4)
+    for start in range(0, iters, CHUNK):
+        for label, core in cells.items():
+            for i in range(start - WARMUP, min(iters, start + CHUNK)):
+                req = RouteRequest(f"r{i}" if i >= start else f"warm{start}-{i}", keys, n_tokens, BLOCK, 128)
+                t0 = time.perf_counter()
+                d = core.decide(req, now=0.5)
+                if i >= start:
+                    samples[label].append((time.perf_counter() - t0) * 1e3)
+                # as in a live router, the chosen worker's requests change before the next decision
+                core.dispatch(req, d, d.chosen, now=0.5)
+                core.completed(req.request_id, now=0.5)
+    for label, core in cells.items():
+        times = sorted(samples[label])
+        p50[label] = round(statistics.median(times), 4)
+        p99_ms[label] = round(p99(times), 4)
+        if match_p50 is not None and "/" not in label:
+            alone = []
+            for _ in range(max(10, iters // 8)):
+                t0 = time.perf_counter()
+                core.index.match(keys)
+                alone.append((time.perf_counter() - t0) * 1e3)
+            match_p50[label] = round(statistics.median(alone), 4)
 
 
 def run(quick: bool = False, policies: tuple[str, ...] = ("precise",)) -> dict:
@@ -100,19 +117,17 @@ def run(quick: bool = False, policies: tuple[str, ...] = ("precise",)) -> dict:
     for size_name, n_tokens in SIZES.items():
         tokens = [rng.randrange(32000) for _ in range(n_tokens)]
         keys = request_keys(tokens, BLOCK)
-        for n in workers:
-            _time_cell(_core(n, keys, blocks, rng), keys, n_tokens, iters, f"{size_name}@{n}", p50, p99_ms,
-                       match_p50)
+        cells = {f"{size_name}@{n}": _core(n, keys, blocks, rng) for n in workers}
         for n in wide:  # their own draws: the cells above draw exactly what the bench always drew
-            _time_cell(_core(n, keys, blocks, random.Random(11)), keys, n_tokens, iters, f"{size_name}@{n}", p50,
-                       p99_ms, match_p50)
+            cells[f"{size_name}@{n}"] = _core(n, keys, blocks, random.Random(11))
         other = random.Random(7)  # the precise cells above draw exactly what the bench always drew
         for policy in policies:
             if policy != "precise":
-                _time_cell(_core(64, keys, blocks, other, policy), keys, n_tokens, iters,
-                           f"{size_name}@64/{policy}", p50, p99_ms)
+                cells[f"{size_name}@64/{policy}"] = _core(64, keys, blocks, other, policy)
+        _time_cells(cells, keys, n_tokens, iters, p50, p99_ms, match_p50)
+        del cells
     return {"p50_ms": p50, "p99_ms": p99_ms, "match_p50_ms": match_p50, "iterations": iters, "block_size": BLOCK,
-            "index_layout": RoutingConfig().index}
+            "index_layout": RoutingConfig().index, "interleaved": CHUNK}
 
 
 def _subprocess_run(tree: Path, quick: bool, policies: tuple[str, ...]) -> dict:

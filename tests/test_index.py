@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.index import MEDIA, CompactKvIndex, KvIndex, Medium, PrefixMatch, compact, residency
+from router.index import MEDIA, CompactKvIndex, KvIndex, Medium, PrefixMatch, compact, residency, speculative
 
 KEYS = 12  # a small key space so different hashes share keys and prefixes overlap
 WORKERS = ["a", "b", "c"]
@@ -307,6 +307,27 @@ def test_the_compiled_gpu_walk_equals_the_python_walk(width, data):
     assert np.frombuffer(lengths, dtype=np.int64).tolist() == want[1].tolist()
 
 
+@pytest.mark.skipif(speculative._compiled_walk is None, reason="the compiled loops did not build here")
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 12), st.floats(0, 5), st.booleans()),
+                max_size=12), st.integers(0, 12), st.floats(0, 8))
+def test_the_compiled_speculative_walk_equals_the_python_walk(records, length, now):
+    """Records of prefixes to workers at various times (some taken back, some expired by ``now``): the compiled
+    walk answers each worker's prefix exactly as the Python loop does."""
+    keys = [10_000 + i for i in range(12)]
+    prefixes = speculative.SpeculativePrefixes(ttl_s=2.0)
+    for worker, n, at, undone in records:
+        undo = prefixes.record(worker, keys[:n], at)
+        if undone and undo is not None:
+            undo()
+    compiled = prefixes.match(keys[:length], now)
+    saved, speculative._compiled_walk = speculative._compiled_walk, None
+    try:
+        assert compiled == prefixes.match(keys[:length], now)
+    finally:
+        speculative._compiled_walk = saved
+
+
 @pytest.mark.skipif(residency._gpu_prefix is None, reason="the compiled loops did not build here")
 @pytest.mark.parametrize("width", [64, 130, 1000])
 def test_the_compiled_gpu_walk_refuses_a_mask_wider_than_the_slots(width):
@@ -318,6 +339,7 @@ def test_the_compiled_gpu_walk_refuses_a_mask_wider_than_the_slots(width):
             residency._gpu_prefix({1: 1 << bit}, [1, 2], width)
     slots, lengths = residency._gpu_prefix({1: 1 << (64 * words - 1)}, [1], width)  # the last bit of the words
     assert np.frombuffer(slots, dtype=np.int64).tolist() == [64 * words - 1]
+    assert np.frombuffer(lengths, dtype=np.int64).tolist() == [1]
 
 
 @pytest.mark.parametrize("Index, loops", [(KvIndex, nullcontext), (KvIndex, python_loops),

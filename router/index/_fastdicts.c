@@ -1,5 +1,5 @@
 /* The dict index's per-block loops in C (router/index/residency.py: ``KvIndex.store`` and ``remove``, and the
- * match walk of a GPU-only index, ``match_lengths``), for the
+ * match walk of a GPU-only index, ``match_lengths``; and the walk of ``SpeculativePrefixes.match``), for the
  * common blocks only: a hash new to the worker whose key it does not hold yet; a removal while the worker has
  * no extra copies and no shared keys. Each loop stops at the first block that needs more (a hash stored again,
  * a key two hashes share) and hands it back to the Python loop, which stays the reference for every case.
@@ -343,10 +343,58 @@ done:
     return result;
 }
 
+/* speculative_prefixes(owner, keys, now) -> {worker: blocks} or None
+ * ``SpeculativePrefixes.match``'s walk: each key's (worker, expiry) entry until the first key without a live
+ * one; each worker's prefix is one past the last key it owns. None (the Python loop then answers) when an
+ * entry is not the (str, float) pair that class writes. */
+static PyObject *speculative_prefixes(PyObject *self, PyObject *args) {
+    PyObject *owner, *keys_in;
+    double now;
+    if (!PyArg_ParseTuple(args, "O!Od", &PyDict_Type, &owner, &keys_in, &now))
+        return NULL;
+    PyObject *keys = PySequence_Fast(keys_in, "keys must be a sequence");
+    if (!keys)
+        return NULL;
+    PyObject *out = PyDict_New();
+    if (!out)
+        goto fail;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *entry = PyDict_GetItemWithError(owner, PySequence_Fast_GET_ITEM(keys, i)); /* borrowed */
+        if (!entry) {
+            if (PyErr_Occurred())
+                goto fail;
+            break;
+        }
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2 ||
+            !PyFloat_CheckExact(PyTuple_GET_ITEM(entry, 1))) {
+            Py_DECREF(out);
+            Py_DECREF(keys);
+            Py_RETURN_NONE;
+        }
+        if (PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(entry, 1)) <= now)
+            break;
+        PyObject *blocks = PyLong_FromSsize_t(i + 1);
+        if (!blocks)
+            goto fail;
+        int failed = PyDict_SetItem(out, PyTuple_GET_ITEM(entry, 0), blocks);
+        Py_DECREF(blocks);
+        if (failed < 0)
+            goto fail;
+    }
+    Py_DECREF(keys);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(keys);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"store_new", store_new, METH_VARARGS, "KvIndex.store's loop for blocks new to the worker."},
     {"gpu_prefix", gpu_prefix, METH_VARARGS, "KvIndex.match_lengths of a GPU-only index: (slots, lengths)."},
     {"remove_plain", remove_plain, METH_VARARGS, "KvIndex.remove's loop for a worker without copies or shared keys."},
+    {"speculative_prefixes", speculative_prefixes, METH_VARARGS, "SpeculativePrefixes.match's walk."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -12,6 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+try:  # the walk in C (router/index/_fastdicts.c), built where a compiler was
+    from router.index._fastdicts import speculative_prefixes as _compiled_walk
+except ImportError:  # pragma: no cover - a build without the extension
+    _compiled_walk = None
+
 
 class SpeculativePrefixes:
     def __init__(self, ttl_s: float = 2.0, max_entries: int = 1_000_000) -> None:
@@ -47,7 +52,13 @@ class SpeculativePrefixes:
         return undo
 
     def match(self, keys: Sequence[int], now: float) -> dict[str, int]:
-        """Each worker's longest prefix of ``keys`` routed to it within the TTL."""
+        """Each worker's longest prefix of ``keys`` routed to it within the TTL (a decision walks the whole
+        prompt here while a burst of it is in flight: compiled where it could be built, the loop below the
+        reference)."""
+        if _compiled_walk is not None:
+            found = _compiled_walk(self._owner, keys, now)
+            if found is not None:
+                return found  # type: ignore[no-any-return]
         out: dict[str, int] = {}
         owner = self._owner
         for i, k in enumerate(keys):

@@ -52,19 +52,22 @@ def draws_of(rng: random.Random, n: int) -> np.ndarray:
 
 def min_score_order(scores: Sequence[float], rng: random.Random) -> np.ndarray:
     """``pick``'s order as positions: by ``round(score, 9)``, ties by one ``rng.random()`` each, drawn in the
-    candidates' order (so the generator moves exactly as ``pick`` moves it). Sorted on the scores themselves
-    first; Python's ``round`` is asked only of neighbours within 1e-8, the only ones it could merge."""
+    candidates' order (so the generator moves exactly as ``pick`` moves it). Sorted by score, then draw, first:
+    that is the order wherever scores that round alike are equal. Python's ``round`` is asked only of
+    neighbours within 1e-8, the only ones it could merge, and only if there are some are the groups it makes
+    sorted again."""
     n = len(scores)
     draws = draws_of(rng, n)
     s = scores if isinstance(scores, np.ndarray) else np.fromiter(scores, dtype=float, count=n)
-    by_score = np.argsort(s, kind="stable")
-    ss = s[by_score]
+    order = np.lexsort((draws, s))  # (stable: equal score and draw keep the candidates' order, as ``sorted``)
+    ss = s[order]
     with np.errstate(invalid="ignore"):  # inf - inf: equal, as they round
         gap = np.diff(ss)
     boundary = gap > 1e-8  # apart by more than 1e-8: they round apart; equal: they round alike
-    for k in np.flatnonzero(~boundary & (gap != 0)).tolist():
+    near = np.flatnonzero(~boundary & (gap != 0))
+    if not len(near):
+        return order
+    for k in near.tolist():
         boundary[k] = round(float(ss[k]), 9) != round(float(ss[k + 1]), 9)
-    if boundary.all():  # every score rounds apart from its neighbours: no tie to break
-        return by_score
     group = np.concatenate(([0], np.cumsum(boundary)))
-    return by_score[np.lexsort((draws[by_score], group))]
+    return order[np.lexsort((draws[order], group))]
