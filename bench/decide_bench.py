@@ -21,8 +21,9 @@ the part of a decision the router's scheduling code does not own) and the run na
 
 Other profiles (``--policies``) are timed on the 64-worker cells beside precise: a profile without a
 prefix-aware scorer never walks the index, so it must cost less. ``--baseline REV`` runs the same bench from
-another commit (a git worktree, in a subprocess) interleaved with this one, round by round, and reports the
-medians of both and their ratio: machine noise hits both alike.
+another commit (a git worktree, in a subprocess; timed by this tree's bench code on that commit's router package,
+or by its own bench where its router is too old for this one) interleaved with this one, round by round, and
+reports the medians of both and their ratio: machine noise hits both alike.
 """
 
 from __future__ import annotations
@@ -130,15 +131,19 @@ def run(quick: bool = False, policies: tuple[str, ...] = ("precise",)) -> dict:
             "index_layout": RoutingConfig().index, "interleaved": CHUNK}
 
 
-def _subprocess_run(tree: Path, quick: bool, policies: tuple[str, ...]) -> dict:
-    """This bench as ``tree``'s code runs it (its own router package first on the path)."""
+def _subprocess_run(tree: Path | None, quick: bool, policies: tuple[str, ...], bench_dir: Path | None = None) -> dict:
+    """This bench run by a subprocess on ``tree``'s router package (None: this tree's). ``bench_dir``: a
+    folder holding only this tree's ``bench`` package (a link), put first on the path, so that a baseline is
+    timed by the same bench code as this tree; without it, ``tree``'s own bench runs."""
+    own = bench_dir is None and tree is not None
     code = ("import json, sys, router\n"
             "try:  # a commit from before bench/ left router/\n    from router.bench.decide_bench import run\n"
             "except ImportError:\n    from bench.decide_bench import run\n"
-            f"r = run(quick={quick!r}" + (f", policies={policies!r})" if tree is None else ")") +
+            f"r = run(quick={quick!r}" + (")" if own else f", policies={policies!r})") +
             "; r['router'] = router.__file__; print(json.dumps(r))")
     cwd = tree or Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(cwd)}
+    path = [str(cwd)] if bench_dir is None else [str(bench_dir), str(cwd)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     out = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, check=True)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["router"].startswith(str(cwd)), f"ran {res['router']}, not {cwd}"
@@ -152,17 +157,25 @@ def compare(baseline: str, quick: bool, rounds: int, policies: tuple[str, ...]) 
         tree = Path(tmp) / "baseline"
         subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), baseline], check=True,
                        capture_output=True)
+        bench_dir = Path(tmp) / "bench-code"  # this tree's bench alone: the baseline is timed the same way
+        bench_dir.mkdir()
+        (bench_dir / "bench").symlink_to(repo / "bench", target_is_directory=True)
         try:
             build_extensions(tree)
+            try:
+                _subprocess_run(tree, True, policies, bench_dir)
+            except subprocess.CalledProcessError:  # a router too old for this bench: its own bench times it
+                bench_dir = None  # type: ignore[assignment]
             runs: dict[str, list[dict]] = {"current": [], "baseline": []}
             for r in range(rounds):  # which goes first alternates: neither always meets the machine fresh
                 for name in ("current", "baseline") if r % 2 == 0 else ("baseline", "current"):
-                    runs[name].append(_subprocess_run(None if name == "current" else tree,  # type: ignore[arg-type]
-                                                      quick, policies))
+                    runs[name].append(_subprocess_run(None, quick, policies) if name == "current"
+                                      else _subprocess_run(tree, quick, policies, bench_dir))
         finally:
             subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], check=False,
                            capture_output=True)
     out: dict = {"baseline": baseline, "rounds": rounds, "p99_ms": {}, "p50_ms": {},
+                 "baseline_bench": "this tree's" if bench_dir is not None else "its own",
                  "index_layout": runs["current"][0].get("index_layout")}
     if "match_p50_ms" in runs["current"][0]:  # this tree's bench only: the baseline's may not time it
         out["match_p50_ms"] = {label: round(statistics.median(r["match_p50_ms"][label] for r in runs["current"]), 4)
