@@ -239,6 +239,8 @@ static int mask_words(PyObject *v, uint64_t *words, size_t n) {
     return 0;
 }
 
+#define LOOKAHEAD 32 /* blocks whose masks gpu_prefix looks up before reading them */
+
 /* Room for one more (slot, length) pair. */
 static int grow(Drops *d) {
     Py_ssize_t cap = d->cap ? 2 * d->cap : 64;
@@ -286,7 +288,8 @@ static PyObject *gpu_prefix(PyObject *self, PyObject *args) {
         return NULL;
     size_t words = (size_t)(width > 0 ? (width + 63) / 64 : 1);
     Drops d = {NULL, NULL, 0, 0, words * 8};
-    PyObject *result = NULL;
+    PyObject *result = NULL, *ahead[LOOKAHEAD];
+    Py_ssize_t got = 0;
     uint64_t *alive = PyMem_Calloc(words, sizeof(uint64_t)), *mask = PyMem_Calloc(words, sizeof(uint64_t));
     if (!alive || !mask) {
         PyErr_NoMemory();
@@ -305,23 +308,39 @@ static PyObject *gpu_prefix(PyObject *self, PyObject *args) {
                 any |= alive[w] != 0;
         }
     }
-    for (; any && i < n; i++) {
-        PyObject *m = PyDict_GetItemWithError(holders, PySequence_Fast_GET_ITEM(keys, i));
-        if (!m) {
-            if (PyErr_Occurred())
-                goto done;
-            break; /* nobody holds block i: every worker still in stops at i */
+    /* The masks of up to LOOKAHEAD blocks are looked up (and their memory prefetched) before any is read: in a
+     * large index each lookup and each mask is a cache miss, and lookups with nothing between them overlap. */
+    while (any && i < n) {
+        Py_ssize_t stop = n - i < LOOKAHEAD ? n : i + LOOKAHEAD;
+        int missing = 0;
+        for (Py_ssize_t j = i; j < stop; j++) {
+            PyObject *m = PyDict_GetItemWithError(holders, PySequence_Fast_GET_ITEM(keys, j));
+            if (!m) {
+                if (PyErr_Occurred())
+                    goto done;
+                missing = 1; /* nobody holds block j: every worker still in stops there */
+                break;
+            }
+            for (size_t line = 0; line < d.nbytes + 32; line += 64)
+                __builtin_prefetch((const char *)m + line);
+            ahead[got++] = Py_NewRef(m); /* (owned: a key's __eq__ could change the dict before it is read) */
         }
-        if (mask_words(m, mask, d.nbytes) < 0)
-            goto done;
-        any = 0;
-        for (size_t w = 0; w < words; w++) {
-            uint64_t still = alive[w] & mask[w], gone = alive[w] ^ still;
-            if (gone && record_word(&d, w, gone, i) < 0)
+        for (Py_ssize_t k = 0; k < got && any; k++, i++) {
+            if (mask_words(ahead[k], mask, d.nbytes) < 0)
                 goto done;
-            alive[w] = still;
-            any |= still != 0;
+            any = 0;
+            for (size_t w = 0; w < words; w++) {
+                uint64_t still = alive[w] & mask[w], gone = alive[w] ^ still;
+                if (gone && record_word(&d, w, gone, i) < 0)
+                    goto done;
+                alive[w] = still;
+                any |= still != 0;
+            }
         }
+        while (got)
+            Py_DECREF(ahead[--got]);
+        if (missing)
+            break;
     }
     if (any) { /* the rest matched up to where the walk stopped */
         for (size_t w = 0; w < words; w++)
@@ -335,6 +354,8 @@ static PyObject *gpu_prefix(PyObject *self, PyObject *args) {
     Py_XDECREF(slots);
     Py_XDECREF(lengths);
 done:
+    while (got)
+        Py_DECREF(ahead[--got]);
     Py_DECREF(keys);
     PyMem_Free(alive);
     PyMem_Free(mask);
