@@ -57,8 +57,10 @@ def test_index_state_is_a_query():
         assert core.index_state("w0", now) == "synced"
         assert core.index_state("w1", now) == "synced"
     assert core.state.awaiting_events_since == awaiting and set(core.feeder.feeds) == feeds
-    # a later dispatch with no events after it is still seen going stale, and the query stays pure
-    core.dispatch(route(tokens, "r2"), d, "w0", 1.0)
+    # a later dispatch with no events after it is still seen going stale, and the query stays pure (a prompt
+    # w0 does not hold: one it holds owes no events)
+    fresh = list(range(1000, 1064))
+    core.dispatch(route(fresh, "r2"), core.decide(route(fresh, "r2"), 1.0), "w0", 1.0)
     assert core.index_state("w0", 1.0 + core.config.stale_after_s + 1) == "stale"
     assert core.index_state("w0", 1.5) == "synced"
 
@@ -172,6 +174,25 @@ def test_prompts_shorter_than_a_block_owe_no_events():
     full = list(range(BS))
     core.dispatch(route(full, "f"), core.decide(route(full, "f"), 6.0), "w0", 6.0)
     assert core.index_state("w0", 6.0 + core.config.stale_after_s + 1) == "stale"
+
+
+def test_prompts_the_worker_already_holds_owe_no_events():
+    """A worker whose cache holds the whole prompt computes no new block and publishes nothing: repeating a
+    prompt it holds (the proxy bench's 64 prompts, a hot system prompt) must not make it stale; a prompt with
+    one full block beyond its prefix does."""
+    core = core_with(1)
+    tokens = list(range(3 * BS + 5))
+    core.feeder.offer("w0", 0, stored_batch(tokens, 1, 0.0), 0.0)
+    for i in range(5):
+        req = route(tokens, f"h{i}")
+        d = core.decide(req, 1.0 + i)
+        assert d.report("w0").matched_blocks == 3
+        core.dispatch(req, d, "w0", 1.0 + i)
+    assert "w0" not in core.state.awaiting_events_since
+    assert core.index_state("w0", 6.0 + core.config.stale_after_s + 1) == "synced"
+    longer = tokens[: 3 * BS] + list(range(1000, 1000 + BS))
+    core.dispatch(route(longer, "n"), core.decide(route(longer, "n"), 7.0), "w0", 7.0)
+    assert core.index_state("w0", 7.0 + core.config.stale_after_s + 1) == "stale"
 
 
 def test_a_refused_request_owes_no_events_and_leaves_no_speculative_credit():

@@ -111,19 +111,21 @@ class Dispatch:
             state.reuse.requested(req.keys)  # asked again for blocks the fleet evicted: what evicting costs
         report = self.report
         if report is not None:
-            uncached = req.prompt_tokens - hit_tokens(report.matched_blocks, req.block_size, req.prompt_tokens)
+            matched = report.matched_blocks
+            uncached = req.prompt_tokens - hit_tokens(matched, req.block_size, req.prompt_tokens)
             predicted = report.ttft_s or None
         else:
-            uncached, predicted = req.prompt_tokens, None
+            matched, uncached, predicted = 0, req.prompt_tokens, None
         state.load.dispatch(req.request_id, worker_id, req.prompt_tokens, uncached, req.max_tokens, now, predicted,
                             req.keys, req.block_size)
         if state.shared_load is not None:  # the other replicas (or processes) count it too
             r = state.load.inflight[req.request_id]
             (state.shared_load.local_reassigned if reassigned else state.shared_load.local_dispatched)(
                 req.request_id, r)
-        # only a prompt of a full block or more owes events (an engine publishes whole blocks): a worker serving
-        # short prompts publishes nothing and is not stale for it
-        owes = req.prompt_tokens >= req.block_size
+        # only a prompt with a full block beyond what the worker is credited with owes events (an engine
+        # publishes the whole blocks it computes): a worker serving short prompts, or prompts it holds, publishes
+        # nothing and is not stale for it
+        owes = req.prompt_tokens // req.block_size > matched
         recorded = (state.note_dispatch(worker_id, now) if owes else None,
                     state.speculative.record(worker_id, req.keys, now))
         self._undo = [u for u in recorded if u is not None]
