@@ -159,8 +159,9 @@ async def test_stale_worker_gets_load_only_traffic_and_drain_stops_new_requests(
             idx = int(holder[1])
             await wait_until(lambda: sum(server.core.index.blocks_held(holder).values()) > 0)
             await post(s, ws[idx].url + "/fault", {"events": "stop"})
-            for i in range(3):  # it keeps taking requests, but publishes nothing
-                await post(s, url + "/v1/completions", {"prompt": SYSTEM + f"b{i}", "max_tokens": 1})
+            for i in range(3):  # it keeps taking requests with new blocks (which owe events), but publishes nothing
+                await post(s, url + "/v1/completions",
+                           {"prompt": SYSTEM + f"b{i} " + "fresh words that fill new blocks " * 8, "max_tokens": 1})
             await asyncio.sleep(0.7)
             await post(s, url + "/v1/completions", {"prompt": SYSTEM + "c", "max_tokens": 1})
             async with s.get(admin + "/debug/decision?n=1") as r:
