@@ -85,7 +85,8 @@ class FleetColumns:
         self.release_freed = np.full((n, 1), np.inf)
         for i, wid in enumerate(self.ids):
             self._read(i, wid)
-        self._read_flags(list(st.endpoints.values()))
+        self.endpoints = list(st.endpoints.values())
+        self._read_flags(self.endpoints)  # (and ``refresh``, finding the same list, does not read them again)
 
     def _read_flags(self, endpoints: list[Endpoint]) -> None:
         """The endpoints' flags as read-only arrays by slot (what the filters and the snapshot ask of every
