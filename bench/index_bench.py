@@ -27,6 +27,7 @@ from collections.abc import Callable
 from router.events.codec import BlockRemoved, BlockStored, EventBatch, decode_payload, encode_payload
 from router.events.feed import IndexFeeder
 from router.index import INDEX_LAYOUTS, KvIndex, Medium
+from router.index.residency import store_chained
 from router.keys import request_keys
 
 BLOCK = 16
@@ -77,6 +78,10 @@ class _NullIndex(KvIndex):
 
     def key_of(self, worker_id: str, engine_hash: object) -> int:
         return 0
+
+    def store_chain(self, worker_id: str, engine_hashes: object, token_ids: object, block_size: int,
+                    parent_hash: object, medium: Medium) -> bool:
+        return store_chained(self, worker_id, engine_hashes, token_ids, block_size, parent_hash, medium)  # keys only
 
 
 def bench_ingest(rounds: int, n_batches: int, layout: type[KvIndex] = KvIndex) -> dict[str, float]:

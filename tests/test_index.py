@@ -96,21 +96,21 @@ def test_the_index_without_its_compiled_loops_agrees_too(Index, ops, queries):
 
 
 def compiled_loops():
-    return (residency._store_new, residency._remove_plain, residency._gpu_prefix, compact._store_plain,
-            compact._remove_plain)
+    return (residency._store_new, residency._store_chain, residency._remove_plain, residency._gpu_prefix,
+            compact._store_plain, compact._remove_plain)
 
 
 @contextmanager
 def python_loops():
     """Both layouts' Python loops instead of their compiled ones (router/index/_fastdicts.c, _fastcompact.c)."""
     saved = compiled_loops()
-    residency._store_new = residency._remove_plain = residency._gpu_prefix = None
+    residency._store_new = residency._store_chain = residency._remove_plain = residency._gpu_prefix = None
     compact._store_plain = compact._remove_plain = None
     try:
         yield
     finally:
-        (residency._store_new, residency._remove_plain, residency._gpu_prefix, compact._store_plain,
-         compact._remove_plain) = saved
+        (residency._store_new, residency._store_chain, residency._remove_plain, residency._gpu_prefix,
+         compact._store_plain, compact._remove_plain) = saved
 
 
 def check_against_model(index, ops, queries) -> None:
@@ -399,3 +399,50 @@ def test_the_compiled_loops_hand_back_every_kind_of_hash_and_key(Index, ops):
     with python_loops():
         python = run(Index())
     assert fast == python
+
+
+# one BlockStored from its tokens: a chain of hashes per worker, parents that may be known, unknown or on CPU
+chain_event = st.tuples(
+    st.sampled_from(["store", "remove"]), worker,
+    st.lists(st.integers(0, 30), min_size=1, max_size=4),  # engine hashes (repeats: stored again)
+    st.one_of(st.none(), st.integers(0, 30)),  # parent hash
+    st.sampled_from([Medium.GPU, Medium.GPU, Medium.CPU]),
+    st.integers(0, 3),  # token seed: few distinct blocks, so workers share keys
+)
+
+
+@LAYOUTS
+@settings(max_examples=300, deadline=None)
+@given(st.lists(chain_event, max_size=30), st.sampled_from([4, 16, 64]))
+def test_store_chain_is_key_of_then_chain_keys_then_store(Index, events, block_size):
+    """``store_chain`` (the dict layout's one compiled call for a BlockStored; block sizes of 4 and 64 tokens
+    fall outside it) leaves the index that its parts leave, composed in Python: the same entries, copies, LRU
+    order and orphans."""
+    def run(index, fused):
+        orphans = []
+        for kind, w, hashes, parent, m, seed in events:
+            if kind == "remove":
+                index.remove(w, hashes, m)
+                continue
+            tokens = [(seed * 7919 + i * (h + 1)) % 50_000 for h in hashes for i in range(block_size)]
+            if fused:
+                orphans.append(index.store_chain(w, hashes, tokens, block_size, parent, m))
+            else:
+                orphans.append(residency.store_chained(index, w, hashes, tokens, block_size, parent, m))
+        return orphans, {w: index.export_worker(w) for w in WORKERS}, len(index)
+
+    fused = run(Index(), True)
+    assert fused == run(Index(), False)
+    with python_loops():
+        assert fused == run(Index(), True)
+
+
+@pytest.mark.parametrize("tokens", [[1] * 15 + [1 << 32], [1] * 15 + [-1], [1] * 15 + ["x"]],
+                         ids=["past-uint32", "negative", "not-an-int"])
+def test_store_chain_refuses_bad_tokens_before_storing_anything(tokens):
+    """As ``chain_keys`` raises on them (the feed counts the event malformed), with nothing stored."""
+    index = KvIndex()
+    index.store_chain("a", [1], [5] * 16, 16, None, Medium.GPU)
+    with pytest.raises((OverflowError, TypeError)):
+        index.store_chain("a", [2, 3], [7] * 16 + tokens, 16, 1, Medium.GPU)
+    assert index.engine_hashes("a")[Medium.GPU] == {1} and len(index) == 1

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from router.events.codec import (
+    MEDIA_BY_NAME,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -305,41 +306,60 @@ class IndexFeeder:
             self.journal.applied(f.worker_id, seq, batch, f.synced)
 
     def _apply_events(self, f: WorkerFeed, batch: EventBatch) -> Steps[None]:
-        for event in batch.events:
-            cls = type(event)
-            try:
+        stored = removed = 0  # the common events, counted into ``f.events`` once a batch (a Counter's += per
+        try:  # event costs as much as a one-block event's own work)
+            for event in batch.events:
+                cls = type(event)
                 if (cls is BlockStored or cls is BlockRemoved) and len(event.block_hashes) <= SLICE_BLOCKS:
                     # the common case, without the generator of slices: its cost per event is felt at the
                     # few blocks a vLLM event carries
-                    if cls is BlockStored:
-                        self._stored(f, event)
-                    else:
-                        self._removed(f, event)
+                    try:
+                        if cls is BlockStored:
+                            self._stored(f, event)
+                            stored += 1
+                        else:
+                            self._removed(f, event)
+                            removed += 1
+                    except (MalformedFrame, ValueError, OverflowError, TypeError, RecursionError):
+                        f.malformed += 1
+                        continue
                     self._work += len(event.block_hashes) + 1
                     if self._work >= SLICE_BLOCKS:  # counted across batches: a long replay yields too
                         self._work = 0
                         yield
-                    f.events[cls.__name__] += 1
                     continue
-                for piece in _slices(event, SLICE_BLOCKS):
-                    if isinstance(piece, BlockStored):
-                        self._stored(f, piece)
-                    elif isinstance(piece, BlockRemoved):
-                        self._removed(f, piece)
-                    elif isinstance(piece, AllBlocksCleared):
-                        self._clear(f)
-                        f.synced = True
-                    self._work += len(getattr(piece, "block_hashes", ())) + 1
-                    if self._work >= SLICE_BLOCKS:
-                        self._work = 0
-                        yield
-            except (MalformedFrame, ValueError, OverflowError, TypeError, RecursionError):
-                f.malformed += 1  # (RecursionError: extra keys nested past what hashing them can walk)
-                continue
-            f.events[cls.__name__] += 1
+                yield from self._apply_other(f, event)
+        finally:
+            if stored:
+                f.events["BlockStored"] += stored
+            if removed:
+                f.events["BlockRemoved"] += removed
+
+    def _apply_other(self, f: WorkerFeed, event: KvEvent) -> Steps[None]:
+        """A clear, or a stored or removed event of more than ``SLICE_BLOCKS`` blocks (applied in slices)."""
+        cls = type(event)
+        try:
+            for piece in _slices(event, SLICE_BLOCKS):
+                if isinstance(piece, BlockStored):
+                    self._stored(f, piece)
+                elif isinstance(piece, BlockRemoved):
+                    self._removed(f, piece)
+                elif isinstance(piece, AllBlocksCleared):
+                    self._clear(f)
+                    f.synced = True
+                self._work += len(getattr(piece, "block_hashes", ())) + 1
+                if self._work >= SLICE_BLOCKS:
+                    self._work = 0
+                    yield
+        except (MalformedFrame, ValueError, OverflowError, TypeError, RecursionError):
+            f.malformed += 1  # (RecursionError: extra keys nested past what hashing them can walk)
+            return
+        f.events[cls.__name__] += 1
 
     def _removed(self, f: WorkerFeed, ev: BlockRemoved) -> None:
-        medium = medium_of(ev.medium)
+        medium = MEDIA_BY_NAME.get(ev.medium)
+        if medium is None:
+            medium = medium_of(ev.medium)
         hashes = ev.block_hashes
         if f.rechunk is not None:  # pages first: what they do not hold may be plain blocks
             hashes = f.rechunk.remove(hashes, medium)
@@ -352,7 +372,9 @@ class IndexFeeder:
         n = len(ev.block_hashes)
         if ev.block_size <= 0 or len(ev.token_ids) != n * ev.block_size:
             raise MalformedFrame("token_ids do not fill block_hashes x block_size")
-        medium = medium_of(ev.medium)
+        medium = MEDIA_BY_NAME.get(ev.medium)  # (the exact spelling without a call first: Medium.GPU is 0)
+        if medium is None:
+            medium = medium_of(ev.medium)
         if self.block_size is not None and ev.block_size != self.block_size:
             if self.rechunk and can_rechunk(ev.block_size, self.block_size):
                 if f.rechunk is None:
@@ -360,6 +382,14 @@ class IndexFeeder:
                 f.orphan_blocks += f.rechunk.store(ev, medium)
                 return
             f.block_size_mismatch += n
+            return
+        extras = ev.extra_keys
+        if (extras is None and not (ev.lora_name or ev.cache_salt)) or (
+                extras is not None and len(extras) == n and not any(extras)):  # (vLLM: one None per block)
+            # no extra keys: the parent, the keys and the store in one call (compiled for the dict index)
+            if not self.index.store_chain(f.worker_id, ev.block_hashes, ev.token_ids, ev.block_size,
+                                          ev.parent_block_hash, medium):
+                f.orphan_blocks += n
             return
         if ev.parent_block_hash is None:
             parent = ROOT_KEY
@@ -369,10 +399,9 @@ class IndexFeeder:
                 f.orphan_blocks += n
                 return
             parent = found
-        extras = ev.extra_keys
-        if extras is None and (ev.lora_name or ev.cache_salt):  # SGLang: no extra_keys field
+        if extras is None:  # SGLang: no extra_keys field, a LoRA name or salt of its own
             extras = request_extras(n, ev.lora_name, ev.cache_salt if ev.parent_block_hash is None else None)
-        elif extras is not None and len(extras) != n:
+        elif len(extras) != n:
             raise MalformedFrame("extra_keys length differs from block_hashes")
         keys = chain_keys(ev.token_ids, ev.block_size, parent, extras)
         self.index.store(f.worker_id, ev.block_hashes, keys, medium)

@@ -1,5 +1,6 @@
-/* The dict index's per-block loops in C (router/index/residency.py: ``KvIndex.store`` and ``remove``, and the
- * match walk of a GPU-only index, ``match_lengths``; and the walk of ``SpeculativePrefixes.match``), for the
+/* The dict index's per-block loops in C (router/index/residency.py: ``KvIndex.store``, ``store_chain`` and
+ * ``remove``, and the match walk of a GPU-only index, ``match_lengths``; and the walk of
+ * ``SpeculativePrefixes.match``), for the
  * common blocks only: a hash new to the worker whose key it does not hold yet; a removal while the worker has
  * no extra copies and no shared keys. Each loop stops at the first block that needs more (a hash stored again,
  * a key two hashes share) and hands it back to the Python loop, which stays the reference for every case.
@@ -14,6 +15,8 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "../_xxh3.h"
 
 /* dict.pop(key) in one lookup: a new reference, or NULL with no error set when the key is absent. */
 static PyObject *dict_pop(PyObject *dict, PyObject *key) {
@@ -30,9 +33,56 @@ static PyObject *dict_pop(PyObject *dict, PyObject *key) {
 #endif
 }
 
+/* The store loop over fast sequences of hashes and keys, from block ``start``: held[h] = key and holders[key] |=
+ * bit, while h is new to ``held`` and ``bit`` is not yet in holders[key]. Returns the first block it did not
+ * take (n when it took them all), ``*added`` the blocks it took; -1 with an exception set on an error. */
+static Py_ssize_t store_loop(PyObject *held, PyObject *holders, PyObject *hashes, PyObject *keys, PyObject *bit,
+                             Py_ssize_t start, Py_ssize_t *added) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes), i = start;
+    *added = 0;
+    for (; i < n; i++) {
+        PyObject *h = PySequence_Fast_GET_ITEM(hashes, i);
+        PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
+        PyObject *mask = PyDict_GetItemWithError(holders, key); /* borrowed */
+        PyObject *new_mask;
+        if (mask == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            new_mask = Py_NewRef(bit);
+        } else {
+            PyObject *both = PyNumber_And(mask, bit);
+            if (!both)
+                return -1;
+            int held_here = PyObject_IsTrue(both);
+            Py_DECREF(both);
+            if (held_here < 0)
+                return -1;
+            if (held_here)
+                break; /* a second hash for a key this worker holds: the Python loop counts it */
+            new_mask = PyNumber_Or(mask, bit);
+            if (!new_mask)
+                return -1;
+        }
+        Py_ssize_t before = PyDict_GET_SIZE(held);
+        if (PyDict_SetDefault(held, h, key) == NULL) { /* one lookup: inserts h only if it is new */
+            Py_DECREF(new_mask);
+            return -1;
+        }
+        if (PyDict_GET_SIZE(held) == before) { /* stored again: the Python loop counts the copy */
+            Py_DECREF(new_mask);
+            break;
+        }
+        int rc = PyDict_SetItem(holders, key, new_mask);
+        Py_DECREF(new_mask);
+        if (rc < 0)
+            return -1;
+        ++*added;
+    }
+    return i;
+}
+
 /* store_new(held, holders, hashes, keys, bit, start) -> (added, stop)
- * From block ``start``: held[h] = key and holders[key] |= bit, while h is new to ``held`` and ``bit`` is not
- * yet in holders[key]. ``stop``: the first block it did not take (len(hashes) when it took them all). */
+ * ``store_loop`` on sequences: ``stop`` is the first block it did not take (len(hashes) when it took them all). */
 static PyObject *store_new(PyObject *self, PyObject *args) {
     PyObject *held, *holders, *hashes_in, *keys_in, *bit;
     Py_ssize_t start;
@@ -47,56 +97,93 @@ static PyObject *store_new(PyObject *self, PyObject *args) {
         Py_DECREF(hashes);
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
     PyObject *result = NULL;
-    if (PySequence_Fast_GET_SIZE(keys) != n) {
+    Py_ssize_t added;
+    if (PySequence_Fast_GET_SIZE(keys) != PySequence_Fast_GET_SIZE(hashes))
         PyErr_SetString(PyExc_ValueError, "as many keys as engine hashes");
-        goto done;
+    else {
+        Py_ssize_t stop = store_loop(held, holders, hashes, keys, bit, start, &added);
+        if (stop >= 0)
+            result = Py_BuildValue("nn", added, stop);
     }
-    Py_ssize_t i = start, added = 0;
-    for (; i < n; i++) {
-        PyObject *h = PySequence_Fast_GET_ITEM(hashes, i);
-        PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
-        PyObject *mask = PyDict_GetItemWithError(holders, key); /* borrowed */
-        PyObject *new_mask;
-        if (mask == NULL) {
-            if (PyErr_Occurred())
-                goto done;
-            new_mask = Py_NewRef(bit);
-        } else {
-            PyObject *both = PyNumber_And(mask, bit);
-            if (!both)
-                goto done;
-            int held_here = PyObject_IsTrue(both);
-            Py_DECREF(both);
-            if (held_here < 0)
-                goto done;
-            if (held_here)
-                break; /* a second hash for a key this worker holds: the Python loop counts it */
-            new_mask = PyNumber_Or(mask, bit);
-            if (!new_mask)
-                goto done;
-        }
-        Py_ssize_t before = PyDict_GET_SIZE(held);
-        if (PyDict_SetDefault(held, h, key) == NULL) { /* one lookup: inserts h only if it is new */
-            Py_DECREF(new_mask);
-            goto done;
-        }
-        if (PyDict_GET_SIZE(held) == before) { /* stored again: the Python loop counts the copy */
-            Py_DECREF(new_mask);
-            break;
-        }
-        if (PyDict_SetItem(holders, key, new_mask) < 0) {
-            Py_DECREF(new_mask);
-            goto done;
-        }
-        Py_DECREF(new_mask);
-        added++;
-    }
-    result = Py_BuildValue("nn", added, i);
-done:
     Py_DECREF(hashes);
     Py_DECREF(keys);
+    return result;
+}
+
+/* store_chain(held_by_medium, medium, holders, hashes, tokens, block_size, parent_hash, root_key, bit)
+ *   -> (added, stop, keys) | None
+ * One BlockStored event of a worker in one call: the parent's key (``key_of``: the worker's maps GPU first;
+ * ``root_key`` when ``parent_hash`` is None), the chained keys of the token blocks (``chain_keys`` without extra
+ * keys, router/_xxh3.h), then ``store_loop`` on the medium's map. ``keys`` is None when the parent is unknown
+ * (an orphan: nothing stored). None: a case this path does not cover (tokens not a list, a block size outside
+ * 5 to 60 tokens, a parent key that is not a uint64): the caller composes the three in Python. TypeError or
+ * OverflowError for a token that is not a uint32, before anything is stored, as ``chain_keys`` raises.
+ *
+ * Why one call: a vLLM engine publishes a BlockStored of one block for every 16 tokens each running request
+ * decodes, so events of one or two blocks are the common ones, and for them the three Python calls this
+ * replaces cost several times the blocks' own work. */
+static PyObject *store_chain(PyObject *self, PyObject *args) {
+    PyObject *held_by_medium, *holders, *hashes_in, *tokens, *parent_hash, *bit;
+    Py_ssize_t medium, block_size;
+    unsigned long long key;
+    if (!PyArg_ParseTuple(args, "O!nO!OOnOKO", &PyTuple_Type, &held_by_medium, &medium, &PyDict_Type, &holders,
+                          &hashes_in, &tokens, &block_size, &parent_hash, &key, &bit))
+        return NULL;
+    if (PyTuple_GET_SIZE(held_by_medium) != 3 || medium < 0 || medium > 2)
+        return PyErr_Format(PyExc_ValueError, "three media");
+    size_t step = (size_t)block_size * 4;
+    if (!PyList_CheckExact(tokens) || block_size <= 0 || step < MIN_BLOCK || step > MAX_BLOCK)
+        Py_RETURN_NONE;
+    for (Py_ssize_t m = 0; m < 3; m++)
+        if (!PyDict_CheckExact(PyTuple_GET_ITEM(held_by_medium, m)))
+            return PyErr_Format(PyExc_TypeError, "the worker's maps must be dicts");
+    if (parent_hash != Py_None) {
+        PyObject *found = NULL;
+        for (Py_ssize_t m = 0; m < 3 && found == NULL; m++) {
+            found = PyDict_GetItemWithError(PyTuple_GET_ITEM(held_by_medium, m), parent_hash); /* borrowed */
+            if (found == NULL && PyErr_Occurred())
+                return NULL;
+        }
+        if (found == NULL)
+            return Py_BuildValue("nnO", (Py_ssize_t)0, (Py_ssize_t)0, Py_None);
+        if (!PyLong_CheckExact(found))
+            Py_RETURN_NONE;
+        key = PyLong_AsUnsignedLongLong(found);
+        if (key == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *hashes = PySequence_Fast(hashes_in, "engine hashes must be a sequence");
+    if (!hashes)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(tokens) / block_size;
+    PyObject *result = NULL, *keys = NULL;
+    if (PySequence_Fast_GET_SIZE(hashes) != n) {
+        PyErr_SetString(PyExc_ValueError, "as many token blocks as engine hashes");
+        goto done;
+    }
+    keys = PyList_New(n);
+    if (!keys)
+        goto done;
+    uint32_t block[MAX_BLOCK / 4];
+    for (Py_ssize_t b = 0; b < n; b++) {
+        if (read_block_tokens(tokens, b, block_size, block) < 0)
+            goto done;
+        key = xxh3_mid((const uint8_t *)block, step, key);
+        PyObject *k = PyLong_FromUnsignedLongLong(key);
+        if (!k)
+            goto done;
+        PyList_SET_ITEM(keys, b, k);
+    }
+    Py_ssize_t added, stop = store_loop(PyTuple_GET_ITEM(held_by_medium, medium), holders, hashes, keys, bit, 0,
+                                        &added);
+    if (stop >= 0)
+        result = Py_BuildValue("nnO", added, stop, keys);
+done:
+    Py_DECREF(hashes);
+    Py_XDECREF(keys);
     return result;
 }
 
@@ -413,6 +500,7 @@ fail:
 
 static PyMethodDef methods[] = {
     {"store_new", store_new, METH_VARARGS, "KvIndex.store's loop for blocks new to the worker."},
+    {"store_chain", store_chain, METH_VARARGS, "KvIndex.store_chain: a BlockStored's parent, keys and store."},
     {"gpu_prefix", gpu_prefix, METH_VARARGS, "KvIndex.match_lengths of a GPU-only index: (slots, lengths)."},
     {"remove_plain", remove_plain, METH_VARARGS, "KvIndex.remove's loop for a worker without copies or shared keys."},
     {"speculative_prefixes", speculative_prefixes, METH_VARARGS, "SpeculativePrefixes.match's walk."},

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from router.index.residency import MEDIA, BlockEntry, EngineHash, Medium, PrefixMatch
+from router.index.residency import MEDIA, BlockEntry, EngineHash, Medium, PrefixMatch, store_chained
 
 try:  # the store and remove loops' common blocks in C (router/index/_fastcompact.c); the Python loops
     # (_store_blocks, _remove_blocks) do them without it
@@ -450,6 +450,12 @@ class CompactKvIndex:
         self._entries += added
         if self._entries > self.capacity:
             self._evict()
+
+    def store_chain(self, worker_id: str, engine_hashes: Sequence[EngineHash], token_ids: Sequence[int],
+                    block_size: int, parent_hash: EngineHash | None, medium: Medium) -> bool:
+        """One BlockStored event from its tokens (``KvIndex.store_chain``): the parent's key, the chained keys,
+        the store; False, storing nothing, for an orphan."""
+        return store_chained(self, worker_id, engine_hashes, token_ids, block_size, parent_hash, medium)
 
     def _tables(self, m: int, lst: int) -> tuple:
         """What the compiled loops work on, in place (router/index/_fastcompact.c: ``Tables``): the hash table and

@@ -22,13 +22,16 @@ from enum import IntEnum
 
 import numpy as np
 
+from router.keys import ROOT_KEY, chain_keys
+
 try:  # the common blocks' loops and the GPU-only walk in C (router/index/_fastdicts.c); the Python below does the
     # same without them
     from router.index._fastdicts import gpu_prefix as _gpu_prefix
     from router.index._fastdicts import remove_plain as _remove_plain
+    from router.index._fastdicts import store_chain as _store_chain
     from router.index._fastdicts import store_new as _store_new
 except ImportError:
-    _store_new = _remove_plain = _gpu_prefix = None
+    _store_new = _store_chain = _remove_plain = _gpu_prefix = None
 
 EngineHash = Hashable  # vLLM sends uint64 (default) or digest bytes; SGLang signed int64
 
@@ -72,12 +75,16 @@ class BlockEntry:
 @dataclass(slots=True)
 class _WorkerBlocks:
     slot: int
+    bit: int = 0  # 1 << slot: the worker's bit in the holder masks (set by __post_init__)
     held: tuple[dict[EngineHash, int], ...] = field(default_factory=lambda: ({}, {}, {}))  # per medium
     extra_copies: dict[tuple[int, EngineHash], int] = field(default_factory=dict)  # (medium, hash) -> copies - 1
 
     @property
     def entries(self) -> int:
         return sum(len(r) for r in self.held)
+
+    def __post_init__(self) -> None:
+        self.bit = 1 << self.slot
 
     def copies(self, medium: int, h: EngineHash) -> int:
         return 1 + self.extra_copies.get((medium, h), 0)
@@ -176,11 +183,41 @@ class KvIndex:
                 added += self._store_one(w, held, holders, bit, medium, h, key)
         else:  # the new blocks in C; the first one stored again or sharing a key here, then C again from the next
             added, stop = _store_new(held, holders, engine_hashes, keys, bit, 0)
-            while stop < len(keys):
-                added += self._store_one(w, held, holders, bit, medium, engine_hashes[stop], keys[stop])
-                more, stop = _store_new(held, holders, engine_hashes, keys, bit, stop + 1)
-                added += more
+            added += self._store_rest(w, held, holders, bit, medium, engine_hashes, keys, stop)
         self._stored(w, medium, held, added)
+
+    def _store_rest(self, w: _WorkerBlocks, held: dict[EngineHash, int], holders: dict[int, int], bit: int,
+                    medium: Medium, engine_hashes: Sequence[EngineHash], keys: Sequence[int], stop: int) -> int:
+        """After the compiled loop stopped at block ``stop``: that block in Python, then C again from the next."""
+        added = 0
+        while stop < len(keys):
+            added += self._store_one(w, held, holders, bit, medium, engine_hashes[stop], keys[stop])
+            more, stop = _store_new(held, holders, engine_hashes, keys, bit, stop + 1)
+            added += more
+        return added
+
+    def store_chain(self, worker_id: str, engine_hashes: Sequence[EngineHash], token_ids: Sequence[int],
+                    block_size: int, parent_hash: EngineHash | None, medium: Medium) -> bool:
+        """Record one BlockStored event from its tokens: ``key_of`` its parent (the root for None), the chained
+        keys of its blocks (``chain_keys`` without extra keys), ``store``; False, storing nothing, when the
+        worker does not hold the parent (an orphan). The feed's common event in one compiled call
+        (router/index/_fastdicts.c: ``store_chain``); token ids that are not uint32 raise as ``chain_keys``."""
+        w = self._workers.get(worker_id)
+        if _store_chain is not None and (w is not None or parent_hash is None):
+            w = w or self._worker(worker_id)
+            holders, bit = self._holders[medium], w.bit
+            done = _store_chain(w.held, medium, holders, engine_hashes, token_ids, block_size, parent_hash, ROOT_KEY,
+                                bit)
+            if done is not None:
+                added, stop, keys = done
+                if keys is None:
+                    return False
+                held = w.held[medium]
+                if stop < len(keys):
+                    added += self._store_rest(w, held, holders, bit, medium, engine_hashes, keys, stop)
+                self._stored(w, medium, held, added)
+                return True
+        return store_chained(self, worker_id, engine_hashes, token_ids, block_size, parent_hash, medium)
 
     def _stored(self, w: _WorkerBlocks, medium: Medium, held: dict[EngineHash, int], added: int) -> None:
         self._entries += added
@@ -458,3 +495,18 @@ def _drop_lengths_by_bit(events: list[tuple[int, int]]) -> tuple[np.ndarray, np.
             lengths.append(length)
             mask ^= low
     return np.array(slots, dtype=np.int64), np.array(lengths, dtype=np.int64)
+
+
+def store_chained(index: KvIndex, worker_id: str, engine_hashes: Sequence[EngineHash], token_ids: Sequence[int],
+                  block_size: int, parent_hash: EngineHash | None, medium: Medium) -> bool:
+    """``store_chain`` composed of ``key_of``, ``chain_keys`` and ``store``: the reference, and any index's path
+    (the compact layout's; the dict layout's where its compiled call does not cover the event)."""
+    if parent_hash is None:
+        parent = ROOT_KEY
+    else:
+        found = index.key_of(worker_id, parent_hash)
+        if found is None:
+            return False
+        parent = found
+    index.store(worker_id, engine_hashes, chain_keys(token_ids, block_size, parent), medium)
+    return True
