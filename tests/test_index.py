@@ -1,5 +1,6 @@
 """The index against a brute-force model, plus eviction and per-tier matching."""
 
+from array import array
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 
@@ -413,11 +414,11 @@ chain_event = st.tuples(
 
 @LAYOUTS
 @settings(max_examples=300, deadline=None)
-@given(st.lists(chain_event, max_size=30), st.sampled_from([4, 16, 64]))
-def test_store_chain_is_key_of_then_chain_keys_then_store(Index, events, block_size):
-    """``store_chain`` (the dict layout's one compiled call for a BlockStored; block sizes of 4 and 64 tokens
-    fall outside it) leaves the index that its parts leave, composed in Python: the same entries, copies, LRU
-    order and orphans."""
+@given(st.lists(chain_event, max_size=30), st.sampled_from([4, 16, 64]), st.sampled_from(["list", "I", "q"]))
+def test_store_chain_is_key_of_then_chain_keys_then_store(Index, events, block_size, token_kind):
+    """``store_chain`` (the dict layout's one compiled call for a BlockStored, on a list of token ints or a
+    buffer of uint32s; block sizes of 4 and 64 tokens and int64 tokens fall outside it) leaves the index that
+    its parts leave, composed in Python: the same entries, copies, LRU order and orphans."""
     def run(index, fused):
         orphans = []
         for kind, w, hashes, parent, m, seed in events:
@@ -425,6 +426,8 @@ def test_store_chain_is_key_of_then_chain_keys_then_store(Index, events, block_s
                 index.remove(w, hashes, m)
                 continue
             tokens = [(seed * 7919 + i * (h + 1)) % 50_000 for h in hashes for i in range(block_size)]
+            if token_kind != "list":  # uint32s as the simulated engine sends them; int64s, which C must not read
+                tokens = array(token_kind, tokens)
             if fused:
                 orphans.append(index.store_chain(w, hashes, tokens, block_size, parent, m))
             else:

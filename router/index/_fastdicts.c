@@ -111,13 +111,18 @@ static PyObject *store_new(PyObject *self, PyObject *args) {
     return result;
 }
 
+static PyObject *chain_and_store(PyObject *held_by_medium, Py_ssize_t medium, PyObject *holders, PyObject *hashes_in,
+                                 PyObject *tokens, const uint8_t *data, Py_ssize_t count, Py_ssize_t block_size,
+                                 PyObject *parent_hash, unsigned long long key, PyObject *bit);
+
 /* store_chain(held_by_medium, medium, holders, hashes, tokens, block_size, parent_hash, root_key, bit)
  *   -> (added, stop, keys) | None
  * One BlockStored event of a worker in one call: the parent's key (``key_of``: the worker's maps GPU first;
  * ``root_key`` when ``parent_hash`` is None), the chained keys of the token blocks (``chain_keys`` without extra
  * keys, router/_xxh3.h), then ``store_loop`` on the medium's map. ``keys`` is None when the parent is unknown
- * (an orphan: nothing stored). None: a case this path does not cover (tokens not a list, a block size outside
- * 5 to 60 tokens, a parent key that is not a uint64): the caller composes the three in Python. TypeError or
+ * (an orphan: nothing stored). None: a case this path does not cover (tokens neither a list nor a buffer of
+ * uint32, a block size outside 5 to 60 tokens, a parent key that is not a uint64): the caller composes the
+ * three in Python. TypeError or
  * OverflowError for a token that is not a uint32, before anything is stored, as ``chain_keys`` raises.
  *
  * Why one call: a vLLM engine publishes a BlockStored of one block for every 16 tokens each running request
@@ -133,8 +138,37 @@ static PyObject *store_chain(PyObject *self, PyObject *args) {
     if (PyTuple_GET_SIZE(held_by_medium) != 3 || medium < 0 || medium > 2)
         return PyErr_Format(PyExc_ValueError, "three media");
     size_t step = (size_t)block_size * 4;
-    if (!PyList_CheckExact(tokens) || block_size <= 0 || step < MIN_BLOCK || step > MAX_BLOCK)
+    if (block_size <= 0 || step < MIN_BLOCK || step > MAX_BLOCK)
         Py_RETURN_NONE;
+    Py_buffer view = {0};
+    int listed = PyList_CheckExact(tokens);
+    if (!listed) { /* a buffer of native uint32s (the simulated engine's array('I'), numpy uint32) */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        Py_RETURN_NONE; /* (keys hash little-endian token bytes: chain_keys converts them) */
+#endif
+        if (PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        if (view.itemsize != 4 || view.format == NULL || strcmp(view.format, "I") != 0) {
+            PyBuffer_Release(&view);
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *result = chain_and_store(held_by_medium, medium, holders, hashes_in, listed ? tokens : NULL,
+                                       listed ? NULL : (const uint8_t *)view.buf,
+                                       listed ? PyList_GET_SIZE(tokens) : view.len / 4, block_size, parent_hash,
+                                       key, bit);
+    if (!listed)
+        PyBuffer_Release(&view);
+    return result;
+}
+
+/* ``store_chain``'s work, on a list of token ints or on native uint32s at ``data``: ``count`` tokens. */
+static PyObject *chain_and_store(PyObject *held_by_medium, Py_ssize_t medium, PyObject *holders, PyObject *hashes_in,
+                                 PyObject *tokens, const uint8_t *data, Py_ssize_t count, Py_ssize_t block_size,
+                                 PyObject *parent_hash, unsigned long long key, PyObject *bit) {
+    size_t step = (size_t)block_size * 4;
     for (Py_ssize_t m = 0; m < 3; m++)
         if (!PyDict_CheckExact(PyTuple_GET_ITEM(held_by_medium, m)))
             return PyErr_Format(PyExc_TypeError, "the worker's maps must be dicts");
@@ -158,7 +192,7 @@ static PyObject *store_chain(PyObject *self, PyObject *args) {
     PyObject *hashes = PySequence_Fast(hashes_in, "engine hashes must be a sequence");
     if (!hashes)
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(tokens) / block_size;
+    Py_ssize_t n = count / block_size;
     PyObject *result = NULL, *keys = NULL;
     if (PySequence_Fast_GET_SIZE(hashes) != n) {
         PyErr_SetString(PyExc_ValueError, "as many token blocks as engine hashes");
@@ -169,9 +203,12 @@ static PyObject *store_chain(PyObject *self, PyObject *args) {
         goto done;
     uint32_t block[MAX_BLOCK / 4];
     for (Py_ssize_t b = 0; b < n; b++) {
-        if (read_block_tokens(tokens, b, block_size, block) < 0)
-            goto done;
-        key = xxh3_mid((const uint8_t *)block, step, key);
+        if (tokens != NULL) {
+            if (read_block_tokens(tokens, b, block_size, block) < 0)
+                goto done;
+            key = xxh3_mid((const uint8_t *)block, step, key);
+        } else
+            key = xxh3_mid(data + b * step, step, key);
         PyObject *k = PyLong_FromUnsignedLongLong(key);
         if (!k)
             goto done;
