@@ -4,6 +4,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router.events.codec import BlockStored, EventBatch
 from router.index import PrefixMatch
@@ -475,3 +477,36 @@ def test_a_fits_window_keeps_the_last_samples_oldest_first_and_its_medians_are_n
     for n in (1, 2, 3, 8, 255, 256):
         a = rng.lognormal(size=n)
         assert _median(a) == float(np.median(a))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 6), st.integers(1, 40), st.booleans(),
+                          st.integers(0, 5)), min_size=1, max_size=12),
+       st.floats(0.001, 0.1))
+def test_the_release_schedule_frees_what_no_request_left_holds(requests, step_s):
+    """``release_wait_s``'s schedule against its definition: taken in finish order, each request frees its tail
+    and every key of the taken ones that no request still in flight holds. Requests share prefixes of three
+    key chains (a system prompt), the rest of their keys their own."""
+    tracker = LoadTracker()
+    chains = [[1000 * c + i for i in range(6)] for c in range(3)]
+    for n, (chain, shared, max_tokens, started, own) in enumerate(requests):
+        keys = chains[chain][:shared] + [10_000 * (n + 1) + i for i in range(own)]
+        tracker.dispatch(f"r{n}", "w", 16 * len(keys) + 3, 16, max_tokens, 0.1 * n, 0.05, keys=keys)
+        if started:
+            tracker.first_token(f"r{n}", 0.1 * n + 0.02)
+    w = tracker.workers["w"]
+    ends, freed = tracker.release_schedule(w, step_s)
+    order = sorted(w.request_ids, key=lambda rid: (ends_of(tracker.inflight[rid], step_s), rid))
+    everything = set(w.active_keys)
+    want_ends, want_freed, tails = [], [], 0
+    for i, rid in enumerate(order):
+        tails += tracker.inflight[rid].tail_blocks
+        left = {k for other in order[i + 1:] for k in tracker.inflight[other].keys}
+        want_ends.append(ends_of(tracker.inflight[rid], step_s))
+        want_freed.append(len(everything - left) + tails)
+    assert ends == want_ends and freed == want_freed
+
+
+def ends_of(r, step_s):
+    start = r.first_token_at if r.first_token_at is not None else r.dispatched_at + (r.predicted_ttft_s or 0.0)
+    return start + r.max_tokens * step_s

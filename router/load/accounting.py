@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 
 def tail_blocks(prompt_tokens: int, full_blocks: int, max_tokens: int, block_size: int) -> int:
@@ -65,6 +66,19 @@ class WorkerLoad:
             else:
                 hi = mid - 1
         return lo
+
+
+def _shared_len(keys: Sequence[int], active: dict[int, int]) -> int:
+    """How many leading ``keys`` (a request's, in flight) another request in flight holds too: a binary search,
+    since a request holding a key holds every key before it (keys are chained)."""
+    lo, hi = 0, len(keys)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if active[keys[mid]] > 1:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass
@@ -175,7 +189,13 @@ class LoadTracker:
         return w.release[1], w.release[2]
 
     def _release_schedule(self, w: WorkerLoad, decode_step_s: float) -> tuple[list[float], list[int]]:
-        """Expected finish times in order, and the KV blocks freed by then (cumulative)."""
+        """Expected finish times in order, and the KV blocks freed by then (cumulative).
+
+        A request taken as finished frees its tail and the keys no request left in flight holds. The keys it
+        shares with another request in flight are a prefix of its keys (counts along a key chain never rise:
+        ``_shared_len``); only those are counted in ``gone``, since a key it alone holds goes with it in any
+        order. A busy engine's requests share a system prompt and little else, so this is a few dict
+        operations a request rather than one a prompt block."""
         order = []
         for rid in w.request_ids:
             r = self.inflight[rid]
@@ -186,18 +206,19 @@ class LoadTracker:
         active = w.active_keys
         ends, cumulative, freed = [], [], 0
         for end, rid in order:
-            r = self.inflight[rid]
-            for k in r.keys:
+            keys = self.inflight[rid].keys
+            shared = _shared_len(keys, active)
+            for k in islice(keys, shared):
                 gone[k] = gone.get(k, 0) + 1
-            lo, hi = 0, len(r.keys)  # first key no request left in flight holds
+            lo, hi = 0, shared  # first key no request left in flight holds (from ``shared`` on: none does)
             while lo < hi:
                 mid = (lo + hi) // 2
-                k = r.keys[mid]
+                k = keys[mid]
                 if active[k] - gone[k] == 0:
                     hi = mid
                 else:
                     lo = mid + 1
-            freed += r.tail_blocks + len(r.keys) - lo
+            freed += self.inflight[rid].tail_blocks + len(keys) - lo
             ends.append(end)
             cumulative.append(freed)
         return ends, cumulative
