@@ -2,6 +2,8 @@
 send (uint64 above 2^63, signed int64, bytes digests), table growth and compaction, wide fleets, and the
 array form of a match."""
 
+import random
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 
 from router.index import CompactKvIndex as KvIndex
 from router.index import Medium, PrefixMatch, compact
-from tests.test_index import check_against_model, op
+from tests.test_index import check_against_model, op, python_loops
 
 
 @settings(max_examples=200, deadline=None)
@@ -135,3 +137,36 @@ def test_a_store_with_a_key_that_is_not_a_uint64_fails_whole(bad):
     with pytest.raises((OverflowError, TypeError)):
         index.store("w", [2, 3], [11, bad], Medium.GPU)
     assert len(index) == 1 and index.engine_hashes("w")[Medium.GPU] == {1}
+
+
+def test_the_compiled_loops_never_write_through_arrays_the_index_replaced(monkeypatch):
+    """The compiled loops keep their arrays' buffers open between calls, found again by the arrays' identity:
+    with the index's releases of them turned off, events that grow, compact and rebuild every array still leave
+    exactly the index the Python loops leave."""
+    monkeypatch.setattr(compact, "_forget_buffers", lambda: None)
+    rng = random.Random(3)
+    ops, live = [], {w: [] for w in ("a", "b", "c")}
+    for n in range(600):
+        w = rng.choice("abc")
+        m = rng.choice([Medium.GPU, Medium.GPU, Medium.CPU])
+        if live[w] and rng.random() < 0.4:
+            for _ in range(min(len(live[w]), rng.randint(1, 8))):
+                h, stored_on = live[w].pop(rng.randrange(len(live[w])))
+                ops.append(("remove", w, [h], None, stored_on))
+        else:
+            hashes = [n * 100 + i for i in range(rng.randint(1, 16))]
+            live[w] += [(h, m) for h in hashes]
+            ops.append(("store", w, hashes, [rng.getrandbits(64) if rng.random() < 0.8 else h % 50 for h in hashes], m))
+
+    def run():
+        index = KvIndex()
+        for kind, w, hashes, keys, m in ops:
+            if kind == "store":
+                index.store(w, hashes, keys, m)
+            else:
+                index.remove(w, hashes, m)
+        return {w: index.export_worker(w) for w in "abc"}, len(index)
+
+    fast = run()
+    with python_loops():
+        assert run() == fast

@@ -9,11 +9,13 @@
  * this layout's ingest a third of the dict layout's. The tables, rows and counters are exactly what the Python
  * loop leaves (tests/test_index.py and tests/test_index_compact.py run both against the brute-force model).
  * The arrays are the index's own (``_Table.slots``, the entry rows, the shared keys); ``CompactKvIndex.store``
- * reserves room for every block first, and a removal only writes holes, so nothing here grows.
+ * reserves room for every block first, and a removal only writes holes, so nothing here grows. Their buffers
+ * stay open between calls (``cached_tables``) for as long as the index keeps the same arrays.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 #define EMPTY (-1)
 #define TOMB (-2)
@@ -91,6 +93,68 @@ static int open_tables(PyObject *const arrays[7], Tables *t) {
     return 0;
 }
 
+/* The buffers of the last few sets of arrays the loops worked on, kept open: acquiring seven buffers costs more
+ * than a one-block event's own work. An entry is reused only for the very same array objects (each open buffer
+ * holds a reference to its array, so an address cannot be reused while cached); arrays the index replaced
+ * (they grew, were compacted or widened, a table was rebuilt) miss, and their entry is the least recently used
+ * one replaced next. ``forget()`` releases every entry (the index calls it when it replaces arrays, so that the
+ * old ones are freed at once). One set per medium and a spare. */
+#define CACHED 4
+typedef struct {
+    PyObject *arrays[7]; /* borrowed: each one's buffer holds a reference */
+    Tables tables;
+    unsigned long used_at;
+} CachedTables;
+static CachedTables cache[CACHED];
+static unsigned long ticks;
+
+static void forget_entry(CachedTables *c) {
+    close_tables(&c->tables);
+    memset(c->arrays, 0, sizeof c->arrays);
+}
+
+/* The open tables of ``arrays`` (a cached entry, or newly opened into the least recently used one); NULL with an
+ * exception set when a buffer cannot be acquired. The caller sets the per-call fields (homes, spread, list). */
+static Tables *cached_tables(PyObject *const arrays[7]) {
+    CachedTables *victim = &cache[0];
+    for (int i = 0; i < CACHED; i++) {
+        CachedTables *c = &cache[i];
+        if (c->tables.opened == 7 && memcmp(c->arrays, arrays, sizeof c->arrays) == 0) {
+            c->used_at = ++ticks;
+            return &c->tables;
+        }
+        if (c->used_at < victim->used_at)
+            victim = c;
+    }
+    forget_entry(victim);
+    if (open_tables(arrays, &victim->tables) < 0)
+        return NULL;
+    memcpy(victim->arrays, arrays, sizeof victim->arrays);
+    victim->used_at = ++ticks;
+    return &victim->tables;
+}
+
+/* ``*t``: the cached open tables of ``arrays`` with this call's homes (already in ``*t``), spread and list (a copy
+ * of the cached entry: the cache keeps the buffers); 0 with an exception set on failure. */
+static int set_tables(Tables *t, PyObject *const arrays[7], long long spread, long long lst) {
+    Py_ssize_t ehome = t->ehome, khome = t->khome;
+    Tables *open = cached_tables(arrays);
+    if (open == NULL)
+        return 0;
+    *t = *open;
+    t->ehome = ehome;
+    t->khome = khome;
+    t->spread = spread;
+    t->lst = lst;
+    return 1;
+}
+
+static PyObject *forget(PyObject *self, PyObject *unused) {
+    for (int i = 0; i < CACHED; i++)
+        forget_entry(&cache[i]);
+    Py_RETURN_NONE;
+}
+
 /* An engine hash as the int64 the index keeps it as; 0 when it is of another kind or outside int64 (the Python
  * loop maps it, marking the worker unsigned for a uint64 above 2^63). */
 static int plain_hash(PyObject *h, int64_t *v) {
@@ -151,16 +215,14 @@ static PyObject *store_plain(PyObject *self, PyObject *args) {
                           &arrays[5], &arrays[6], &t.ehome, &t.khome, &spread, &lst, &hashes_in, &keys_in, &start,
                           &row))
         return NULL;
-    t.spread = spread;
-    t.lst = lst;
-    if (open_tables(arrays, &t) < 0)
-        return NULL;
     PyObject *hashes = NULL, *keys = NULL, *result = NULL;
-    hashes = PySequence_Fast(hashes_in, "engine hashes must be a sequence");
-    if (!hashes)
+    hashes = PySequence_Fast(hashes_in, "engine hashes must be a sequence"); /* (before the tables: it may run */
+    if (!hashes)                                                              /* code that uses them too) */
         goto done;
     keys = PySequence_Fast(keys_in, "keys must be a sequence");
     if (!keys)
+        goto done;
+    if (!set_tables(&t, arrays, spread, lst))
         goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
     if (PySequence_Fast_GET_SIZE(keys) != n) {
@@ -217,7 +279,6 @@ static PyObject *store_plain(PyObject *self, PyObject *args) {
 done:
     Py_XDECREF(hashes);
     Py_XDECREF(keys);
-    close_tables(&t);
     return result;
 }
 
@@ -237,12 +298,8 @@ static PyObject *remove_plain(PyObject *self, PyObject *args) {
                           &arrays[5], &arrays[6], &t.ehome, &t.khome, &spread, &lst, &hashes_in, &start,
                           &originals))
         return NULL;
-    t.spread = spread;
-    t.lst = lst;
-    if (open_tables(arrays, &t) < 0)
-        return NULL;
     PyObject *result = NULL, *hashes = PySequence_Fast(hashes_in, "engine hashes must be a sequence");
-    if (!hashes)
+    if (!hashes || !set_tables(&t, arrays, spread, lst))
         goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes), i = start, unknown = 0, dropped = 0;
     for (; i < n; i++) {
@@ -270,12 +327,12 @@ static PyObject *remove_plain(PyObject *self, PyObject *args) {
     result = Py_BuildValue("nnn", i, unknown, dropped);
 done:
     Py_XDECREF(hashes);
-    close_tables(&t);
     return result;
 }
 
 static PyMethodDef methods[] = {
     {"store_plain", store_plain, METH_VARARGS, "CompactKvIndex.store's loop for new blocks with new keys."},
+    {"forget", forget, METH_NOARGS, "Release the buffers kept open for the arrays the loops last worked on."},
     {"remove_plain", remove_plain, METH_VARARGS, "CompactKvIndex.remove's loop for entries that hold their key alone."},
     {NULL, NULL, 0, NULL},
 };

@@ -45,10 +45,14 @@ from router.index.residency import MEDIA, BlockEntry, EngineHash, Medium, Prefix
 
 try:  # the store and remove loops' common blocks in C (router/index/_fastcompact.c); the Python loops
     # (_store_blocks, _remove_blocks) do them without it
+    from router.index._fastcompact import forget as _forget_buffers
     from router.index._fastcompact import remove_plain as _remove_plain
     from router.index._fastcompact import store_plain as _store_plain
 except ImportError:
     _store_plain = _remove_plain = None
+
+    def _forget_buffers() -> None:
+        return None
 
 _M64 = (1 << 64) - 1
 _I64_MIN, _I64_END, _U64_END = -(1 << 63), 1 << 63, 1 << 64
@@ -138,6 +142,7 @@ class _Table:
     def rebuild(self, live: int, extra: int, probes: np.ndarray, values: np.ndarray) -> None:
         """Reinsert ``values`` (their probe keys ``probes``) into a table sized for ``live + extra``."""
         homes = max(_MIN_SLOTS, int((live + extra) / _REBUILT_LOAD) + 1)
+        _forget_buffers()  # (the compiled loops' open buffers of the slots this replaces: freed with them)
         self.homes, self.slots = homes, np.full(homes + _PAD, _EMPTY, np.int32)
         self.mv, self.used, self.limit = memoryview(self.slots), 0, int(homes * _MAX_LOAD)
         home = _homes(probes, homes)
@@ -219,10 +224,12 @@ class CompactKvIndex:
 
     def _shared_views(self) -> None:
         """Memoryviews of the shared rows (keys; masks flat, ``words`` per row) for the scalar paths."""
+        _forget_buffers()  # (arrays replaced: the compiled loops' open buffers of the old ones go)
         self._s_kv = [memoryview(a) for a in self._s_key]
         self._s_mv = [memoryview(a).cast("B").cast("Q") for a in self._s_mask]
 
     def _views(self) -> None:
+        _forget_buffers()
         self._mh, self._mk = memoryview(self._e_hash), memoryview(self._e_key)
         self._ml, self._mc = memoryview(self._e_list), memoryview(self._e_count)
 
@@ -424,8 +431,10 @@ class CompactKvIndex:
                 self._evict()
             return
         n = len(keys)
-        self._reserve(n)
         m = int(medium)
+        ehash, ktab = self._ehash, self._ktab[m]
+        if self._rows + n > len(self._e_hash) or ehash.used + n > ehash.limit or ktab.used + n > ktab.limit:
+            self._reserve(n)  # (the common event has room: checked here without the calls)
         lst = 3 * slot + m
         if _store_plain is None:
             added = self._store_blocks(slot, m, engine_hashes, keys)
@@ -461,9 +470,9 @@ class CompactKvIndex:
         """What the compiled loops work on, in place (router/index/_fastcompact.c: ``Tables``): the hash table and
         medium ``m``'s key table, the entry rows, ``m``'s shared keys, the tables' homes, list ``lst``'s probe
         spread and ``lst`` itself. Read afresh for each call: the arrays are replaced when they grow or widen."""
-        ktab = self._ktab[m]
-        return (self._ehash.slots, ktab.slots, self._e_hash, self._e_key, self._e_list, self._e_count, self._s_key[m],
-                self._ehash.homes, ktab.homes, _wrap64(lst * _LIST_MULT), lst)
+        ktab, ehash = self._ktab[m], self._ehash
+        return (ehash.slots, ktab.slots, self._e_hash, self._e_key, self._e_list, self._e_count, self._s_key[m],
+                ehash.homes, ktab.homes, ((lst * _LIST_MULT + _I64_END) & _M64) - _I64_END, lst)  # (_wrap64)
 
     def _store_blocks(self, slot: int, m: int, engine_hashes: Sequence[EngineHash], keys: Sequence[int]) -> int:
         """The store loop in Python (room reserved by the caller): every case, and the reference of the C loop
@@ -651,7 +660,8 @@ class CompactKvIndex:
             return sum(1 for _ in engine_hashes)
         if _remove_plain is None:
             return self._remove_blocks(slot, medium, engine_hashes)
-        hashes = engine_hashes if isinstance(engine_hashes, Sequence) else list(engine_hashes)
+        hashes = (engine_hashes if type(engine_hashes) is list or isinstance(engine_hashes, Sequence)
+                  else list(engine_hashes))  # (a list first: an ABC's isinstance costs as much as a block)
         m, n = int(medium), len(hashes)
         lst = 3 * slot + m
         unknown = start = 0
