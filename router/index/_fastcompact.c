@@ -22,6 +22,7 @@
 #define NO_LIST (-1)
 #define M32 0xFFFFFFFFULL
 #define MULT32 0x9E3779B1ULL
+#define LIST_MULT 0x632BE59BD9B4E019ULL /* ``_LIST_MULT``: spreads the list id over the engine hash */
 
 /* ``_home``: the two halves folded, then Fibonacci hashing in 32 bits, scaled to ``homes`` slots. */
 static inline Py_ssize_t home(int64_t x, Py_ssize_t homes) {
@@ -330,7 +331,36 @@ done:
     return result;
 }
 
+/* latest_row(etab, ktab, e_hash, e_list, e_count, s_key, ehome, khome, spread, lst, v, lists) -> row
+ * ``key_of``'s lookup: the latest entry row holding engine hash ``v`` (as kept: int64) in any of ``lists`` (a
+ * worker's lists, one per medium), -1 when none does. ``spread`` and ``lst`` are ignored (each list's own are
+ * used). */
+static PyObject *latest_row(PyObject *self, PyObject *args) {
+    PyObject *arrays[7], *lists;
+    Tables t;
+    long long spread, lst, v;
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnLLLO!", &arrays[0], &arrays[1], &arrays[2], &arrays[3], &arrays[4],
+                          &arrays[5], &arrays[6], &t.ehome, &t.khome, &spread, &lst, &v, &PyTuple_Type, &lists))
+        return NULL;
+    if (!set_tables(&t, arrays, spread, lst))
+        return NULL;
+    Py_ssize_t best = -1;
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(lists); j++) {
+        long long id = PyLong_AsLongLong(PyTuple_GET_ITEM(lists, j));
+        if (id == -1 && PyErr_Occurred())
+            return NULL;
+        t.lst = id;
+        t.spread = (int64_t)((uint64_t)id * LIST_MULT); /* ``_wrap64(lst * _LIST_MULT)`` */
+        Py_ssize_t pos;
+        int64_t r = find_entry(&t, v, &pos);
+        if (r > best)
+            best = (Py_ssize_t)r;
+    }
+    return PyLong_FromSsize_t(best);
+}
+
 static PyMethodDef methods[] = {
+    {"latest_row", latest_row, METH_VARARGS, "CompactKvIndex.key_of's lookup: the latest row of a hash in lists."},
     {"store_plain", store_plain, METH_VARARGS, "CompactKvIndex.store's loop for new blocks with new keys."},
     {"forget", forget, METH_NOARGS, "Release the buffers kept open for the arrays the loops last worked on."},
     {"remove_plain", remove_plain, METH_VARARGS, "CompactKvIndex.remove's loop for entries that hold their key alone."},

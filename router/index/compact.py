@@ -46,10 +46,11 @@ from router.index.residency import MEDIA, BlockEntry, EngineHash, Medium, Prefix
 try:  # the store and remove loops' common blocks in C (router/index/_fastcompact.c); the Python loops
     # (_store_blocks, _remove_blocks) do them without it
     from router.index._fastcompact import forget as _forget_buffers
+    from router.index._fastcompact import latest_row as _latest_row
     from router.index._fastcompact import remove_plain as _remove_plain
     from router.index._fastcompact import store_plain as _store_plain
 except ImportError:
-    _store_plain = _remove_plain = None
+    _store_plain = _remove_plain = _latest_row = None
 
     def _forget_buffers() -> None:
         return None
@@ -409,13 +410,13 @@ class CompactKvIndex:
         slot = self._slot.get(worker_id)
         if slot is None:
             return None
-        v, _ = self._hash_value(engine_hash, None)
-        best = -1
-        for m in MEDIA:
-            if self._list_len[3 * slot + m]:
-                row = self._efind(3 * slot + m, v)[1]
-                if row > best:
-                    best = row
+        h = engine_hash
+        v = h if type(h) is int and _I64_MIN <= h < _I64_END else self._hash_value(h, None)[0]
+        lists = tuple(lst for lst in range(3 * slot, 3 * slot + 3) if self._list_len[lst])
+        if _latest_row is not None:  # the probes in C (the feed asks this for the parent of every stored event)
+            best = _latest_row(*self._tables(Medium.GPU, 0), v, lists) if lists else -1
+        else:
+            best = max((self._efind(lst, v)[1] for lst in lists), default=-1)
         return None if best < 0 else self._out_key(self._mk[best])
 
     def store(
