@@ -3,6 +3,7 @@ send (uint64 above 2^63, signed int64, bytes digests), table growth and compacti
 array form of a match."""
 
 import random
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -170,3 +171,21 @@ def test_the_compiled_loops_never_write_through_arrays_the_index_replaced(monkey
     fast = run()
     with python_loops():
         assert run() == fast
+
+
+@pytest.mark.parametrize("loops", ["compiled", "python"])
+def test_a_hash_stored_and_removed_over_and_over_reuses_its_tombstone(loops):
+    """A hot block evicted and recomputed again and again: each new entry takes the tombstone its probe passed,
+    so the tables neither fill with tombstones (no rebuild) nor lengthen the probe (it used to grow by a slot a
+    cycle until the next rebuild)."""
+    with python_loops() if loops == "python" else nullcontext():
+        index = KvIndex()
+        index.store("a", list(range(100)), list(range(1000, 1100)), Medium.GPU)
+        tables = (index._ehash.slots, index._ktab[Medium.GPU].slots)
+        used = (index._ehash.used, index._ktab[Medium.GPU].used)
+        for _ in range(3 * len(tables[0])):
+            index.store("a", [7777], [5555], Medium.GPU)
+            index.remove("a", [7777], Medium.GPU)
+        assert index._ehash.slots is tables[0] and index._ktab[Medium.GPU].slots is tables[1]  # (no rebuild)
+        assert (index._ehash.used, index._ktab[Medium.GPU].used) == (used[0] + 1, used[1] + 1)
+        assert index.match(list(range(1000, 1100))) == {"a": PrefixMatch(gpu=100)} and len(index) == 100

@@ -172,41 +172,47 @@ static int plain_hash(PyObject *h, int64_t *v) {
 }
 
 /* ``_efind`` of hash ``v`` in the list: the entry row holding it, or EMPTY (``*pos``: that slot, or the first
- * empty one, where it would go). */
-static int64_t find_entry(const Tables *t, int64_t v, Py_ssize_t *pos) {
+ * empty one; ``*tomb``: the first tombstone passed on the way, -1 if none, where a new entry goes). */
+static int64_t find_entry(const Tables *t, int64_t v, Py_ssize_t *pos, Py_ssize_t *tomb) {
     Py_ssize_t p = home(v ^ t->spread, t->ehome);
+    *tomb = -1;
     for (;;) {
         int64_t r = get(&t->et, p);
         if (r == EMPTY || (r >= 0 && get(&t->mh, r) == v && get(&t->ml, r) == t->lst)) {
             *pos = p;
             return r;
         }
+        if (r == TOMB && *tomb < 0)
+            *tomb = p;
         if (++p == t->et.len)
             p = 0;
     }
 }
 
 /* ``_kfind`` of key ``k``: the entry row holding it alone, -3 - its shared row, or EMPTY (``*pos``: that slot,
- * or the first empty one). */
-static int64_t find_key(const Tables *t, int64_t k, Py_ssize_t *pos) {
+ * or the first empty one; ``*tomb`` as in ``find_entry``). */
+static int64_t find_key(const Tables *t, int64_t k, Py_ssize_t *pos, Py_ssize_t *tomb) {
     Py_ssize_t p = home(k, t->khome);
+    *tomb = -1;
     for (;;) {
         int64_t val = get(&t->kt, p);
         if (val == EMPTY || (val >= 0 && get(&t->mk, val) == k) || (val <= -3 && get(&t->sk, -3 - val) == k)) {
             *pos = p;
             return val;
         }
+        if (val == TOMB && *tomb < 0)
+            *tomb = p;
         if (++p == t->kt.len)
             p = 0;
     }
 }
 
 /* store_plain(etab, ktab, e_hash, e_key, e_list, e_count, s_key, ehome, khome, spread, lst, hashes, keys,
- *             start, row) -> (stop, row, added, wide_keys)
- * From block ``start``: each block a new entry row (``row`` on), in the hash table at its first empty slot
- * and in the medium's key table. ``stop``: the first block it did not take (len(hashes) if it took them all; -1,
- * having taken none, when a key is not a uint64); ``wide_keys``: a key above 2^63 was seen (the index then
- * gives keys back unsigned). */
+ *             start, row) -> (stop, row, added, wide_keys, hash_slots_used, key_slots_used)
+ * From block ``start``: each block a new entry row (``row`` on), in the hash table and the medium's key table
+ * at the first tombstone or else the empty slot its probe reaches (``*_slots_used``: empty slots taken).
+ * ``stop``: the first block it did not take (len(hashes) if it took them all; -1, having taken none, when a key
+ * is not a uint64); ``wide_keys``: a key above 2^63 was seen (the index then gives keys back unsigned). */
 static PyObject *store_plain(PyObject *self, PyObject *args) {
     PyObject *arrays[7], *hashes_in, *keys_in;
     Tables t;
@@ -237,11 +243,11 @@ static PyObject *store_plain(PyObject *self, PyObject *args) {
         if (!PyLong_CheckExact(k_obj) || (PyLong_AsUnsignedLongLong(k_obj) == (unsigned long long)-1 &&
                                           PyErr_Occurred())) {
             PyErr_Clear();
-            result = Py_BuildValue("nnni", (Py_ssize_t)-1, row, (Py_ssize_t)0, 0);
+            result = Py_BuildValue("nnninn", (Py_ssize_t)-1, row, (Py_ssize_t)0, 0, (Py_ssize_t)0, (Py_ssize_t)0);
             goto done;
         }
     }
-    Py_ssize_t i = start, added = 0;
+    Py_ssize_t i = start, added = 0, e_new = 0, k_new = 0;
     int wide = 0;
     for (; i < n; i++) {
         PyObject *k_obj = PySequence_Fast_GET_ITEM(keys, i);
@@ -256,10 +262,10 @@ static PyObject *store_plain(PyObject *self, PyObject *args) {
             break;
         }
         int64_t k = (int64_t)ku;
-        Py_ssize_t pos, kpos;
-        if (find_entry(&t, v, &pos) != EMPTY)
+        Py_ssize_t pos, kpos, etomb, ktomb;
+        if (find_entry(&t, v, &pos, &etomb) != EMPTY)
             break; /* stored again: the Python loop counts the copy */
-        if (find_key(&t, k, &kpos) != EMPTY)
+        if (find_key(&t, k, &kpos, &ktomb) != EMPTY)
             break; /* others hold it: the Python loop makes or extends its shared row */
         if (row >= t.mh.len) {
             PyErr_SetString(PyExc_RuntimeError, "no room reserved for the entry rows");
@@ -269,14 +275,19 @@ static PyObject *store_plain(PyObject *self, PyObject *args) {
         put(&t.mk, row, k);
         put(&t.ml, row, t.lst);
         put(&t.mc, row, 1);
-        put(&t.et, pos, row);
-        put(&t.kt, kpos, row);
+        /* a new entry takes the first tombstone its probe passed (a hash stored and removed over and over, as a
+         * hot block evicted and recomputed is, would otherwise lengthen its probe by a slot each time until the
+         * table's rebuild); only an empty slot taken adds to the table's use */
+        put(&t.et, etomb >= 0 ? etomb : pos, row);
+        put(&t.kt, ktomb >= 0 ? ktomb : kpos, row);
+        e_new += etomb < 0;
+        k_new += ktomb < 0;
         row++;
         added++;
         if (ku >> 63)
             wide = 1;
     }
-    result = Py_BuildValue("nnni", i, row, added, wide);
+    result = Py_BuildValue("nnninn", i, row, added, wide, e_new, k_new);
 done:
     Py_XDECREF(hashes);
     Py_XDECREF(keys);
@@ -307,8 +318,8 @@ static PyObject *remove_plain(PyObject *self, PyObject *args) {
         int64_t v;
         if (!plain_hash(PySequence_Fast_GET_ITEM(hashes, i), &v))
             break;
-        Py_ssize_t pos, kpos;
-        int64_t r = find_entry(&t, v, &pos);
+        Py_ssize_t pos, kpos, tomb;
+        int64_t r = find_entry(&t, v, &pos, &tomb);
         if (r < 0) {
             unknown++;
             continue;
@@ -318,7 +329,7 @@ static PyObject *remove_plain(PyObject *self, PyObject *args) {
             put(&t.mc, r, count - 1);
             continue;
         }
-        if (find_key(&t, get(&t.mk, r), &kpos) < 0 || originals)
+        if (find_key(&t, get(&t.mk, r), &kpos, &tomb) < 0 || originals)
             break; /* a shared row (or a non-int hash's count): the Python loop */
         put(&t.et, pos, TOMB);
         put(&t.kt, kpos, TOMB);
@@ -351,8 +362,8 @@ static PyObject *latest_row(PyObject *self, PyObject *args) {
             return NULL;
         t.lst = id;
         t.spread = (int64_t)((uint64_t)id * LIST_MULT); /* ``_wrap64(lst * _LIST_MULT)`` */
-        Py_ssize_t pos;
-        int64_t r = find_entry(&t, v, &pos);
+        Py_ssize_t pos, tomb;
+        int64_t r = find_entry(&t, v, &pos, &tomb);
         if (r > best)
             best = (Py_ssize_t)r;
     }

@@ -442,10 +442,10 @@ class CompactKvIndex:
         else:  # the common blocks in C; the first that needs more here, then C again from the next
             added, start = 0, 0
             while True:
-                stop, self._rows, plain, wide = _store_plain(*self._tables(m, lst), engine_hashes, keys, start,
-                                                             self._rows)
-                self._ktab[m].used += plain
-                self._ehash.used += plain
+                stop, self._rows, plain, wide, hash_slots, key_slots = _store_plain(
+                    *self._tables(m, lst), engine_hashes, keys, start, self._rows)
+                ktab.used += key_slots
+                ehash.used += hash_slots
                 added += plain
                 if wide:
                     self._unsigned_keys = True
@@ -496,15 +496,19 @@ class CompactKvIndex:
         m32, mult, empty = _M32, _MULT32, _EMPTY  # (locals: the loop runs once per block)
         ktab, sk = self._ktab[m], self._s_kv[m]
         rows = self._rows  # (written back before any call that reads it)
-        added = keys_added = 0
+        added = keys_added = hash_slots = 0
+        tomb = _TOMB
         for i in range(n):
             v, other = mapped[i]
             x = v ^ spread
             pos = ((((x ^ (x >> 32)) & m32) * mult) & m32) * ehome >> 32
+            at = -1  # the first tombstone passed: where a new entry goes (see _fastcompact.c's store_plain)
             while True:
                 row = et[pos]
                 if row == empty or (row >= 0 and mh[row] == v and ml[row] == lst):
                     break
+                if row == tomb and at < 0:
+                    at = pos
                 pos += 1
                 if pos == esize:
                     pos = 0
@@ -518,20 +522,30 @@ class CompactKvIndex:
             new = rows
             mh[new], mk[new], ml[new], mc[new] = v, k, lst, 1
             rows = new + 1
-            et[pos] = new
+            if at < 0:
+                et[pos] = new
+                hash_slots += 1
+            else:
+                et[at] = new
             added += 1
             kpos = ((((k ^ (k >> 32)) & m32) * mult) & m32) * khome >> 32
+            at = -1
             while True:
                 val = kt[kpos]
                 if val == empty:
-                    kt[kpos] = new
-                    keys_added += 1
+                    if at < 0:
+                        kt[kpos] = new
+                        keys_added += 1
+                    else:
+                        kt[at] = new
                     break
                 if (val >= 0 and mk[val] == k) or (val <= -3 and sk[-3 - val] == k):
                     self._rows = rows
                     self._hold(m, slot, k, new)  # others hold it too: a shared row
                     sk = self._s_kv[m]  # (the shared rows may have grown)
                     break
+                if val == tomb and at < 0:
+                    at = kpos
                 kpos += 1
                 if kpos == ksize:
                     kpos = 0
@@ -543,7 +557,7 @@ class CompactKvIndex:
                     orig[1] += 1
         self._rows = rows
         ktab.used += keys_added
-        self._ehash.used += added
+        self._ehash.used += hash_slots
         return added
 
     def _store_again(self, row: int, pos: int, m: int) -> None:
