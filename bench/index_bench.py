@@ -2,8 +2,10 @@
 
 Ingest: realistic vLLM batches (16-block BlockStored events with token ids, block size 16, chained to
 their parents, plus BlockRemoved of older blocks) are pre-encoded, then decoded and applied through the
-real codec, feed and index on one core. The decode-only rate is measured in the same run as a baseline, and
-so is ingest through an index that does nothing (decode, feed and key computation: what no layout removes).
+real codec, feed and index on one core, the feed as the router runs it (telling the reuse statistics the keys
+of every GPU removal; before 2026-12-02 the bench left that out). The decode-only rate is measured in the same
+run as a baseline, and so is ingest through an index that does nothing (decode, feed and key computation: what
+no layout removes).
 ``one_block_events``: the same for batches of eight one-block BlockStored events (what an engine publishes
 while it decodes: a block per request every 16 tokens), where the per-event work outweighs the per-block work.
 Match: 64 workers holding 1M blocks in total; worker j holds the first j/64 of the query prompt (so the
@@ -31,6 +33,7 @@ from router.events.feed import IndexFeeder
 from router.index import INDEX_LAYOUTS, KvIndex, Medium
 from router.index.residency import store_chained
 from router.keys import request_keys
+from router.scheduling.reuse import ReuseTracker
 
 BLOCK = 16
 
@@ -93,6 +96,7 @@ def bench_ingest(rounds: int, n_batches: int, layout: type[KvIndex] = KvIndex, e
 
     def ingest(index: KvIndex) -> float:
         feeder = IndexFeeder(index, block_size=BLOCK)
+        feeder.on_gpu_evicted = ReuseTracker().evicted  # as the router's state attaches it (scheduling/state.py)
         gc.collect()
         t0 = time.perf_counter()
         for seq, p in enumerate(payloads):

@@ -98,7 +98,7 @@ def test_the_index_without_its_compiled_loops_agrees_too(Index, ops, queries):
 
 def compiled_loops():
     return (residency._store_new, residency._store_chain, residency._remove_plain, residency._gpu_prefix,
-            compact._store_plain, compact._remove_plain, compact._latest_row)
+            residency._keys_of, compact._store_plain, compact._remove_plain, compact._latest_keys)
 
 
 @contextmanager
@@ -106,12 +106,13 @@ def python_loops():
     """Both layouts' Python loops instead of their compiled ones (router/index/_fastdicts.c, _fastcompact.c)."""
     saved = compiled_loops()
     residency._store_new = residency._store_chain = residency._remove_plain = residency._gpu_prefix = None
-    compact._store_plain = compact._remove_plain = compact._latest_row = None
+    residency._keys_of = None
+    compact._store_plain = compact._remove_plain = compact._latest_keys = None
     try:
         yield
     finally:
         (residency._store_new, residency._store_chain, residency._remove_plain, residency._gpu_prefix,
-         compact._store_plain, compact._remove_plain, compact._latest_row) = saved
+         residency._keys_of, compact._store_plain, compact._remove_plain, compact._latest_keys) = saved
 
 
 def check_against_model(index, ops, queries) -> None:
@@ -393,9 +394,12 @@ def test_the_compiled_loops_hand_back_every_kind_of_hash_and_key(Index, ops):
             else:
                 index.remove(w, hashes, m)
         queries = [[k for _, k in blocks] for _, _, blocks, _ in ops]
+        every = [h for _, _, blocks, _ in ops for h, _ in blocks]
+        for w in WORKERS:  # keys_of is key_of of each, the ones held nowhere left out
+            assert index.keys_of(w, every) == [k for h in every if (k := index.key_of(w, h)) is not None]
         return ({w: index.export_worker(w) for w in WORKERS}, [index.match(q) for q in queries],
                 {w: index.engine_hashes(w) for w in WORKERS},
-                [index.key_of(w, h) for _, _, blocks, _ in ops for h, _ in blocks for w in WORKERS])
+                [index.key_of(w, h) for h in every for w in WORKERS], [index.keys_of(w, every) for w in WORKERS])
 
     fast = run(Index())
     with python_loops():

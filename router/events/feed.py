@@ -364,8 +364,7 @@ class IndexFeeder:
         if f.rechunk is not None:  # pages first: what they do not hold may be plain blocks
             hashes = f.rechunk.remove(hashes, medium)
         if self.on_gpu_evicted is not None and medium is Medium.GPU:
-            key_of, wid = self.index.key_of, f.worker_id
-            self.on_gpu_evicted([k for h in hashes if (k := key_of(wid, h)) is not None])
+            self.on_gpu_evicted(self.index.keys_of(f.worker_id, hashes))
         f.unknown_removals += self.index.remove(f.worker_id, hashes, medium)
 
     def _stored(self, f: WorkerFeed, ev: BlockStored) -> None:

@@ -342,36 +342,66 @@ done:
     return result;
 }
 
-/* latest_row(etab, ktab, e_hash, e_list, e_count, s_key, ehome, khome, spread, lst, v, lists) -> row
- * ``key_of``'s lookup: the latest entry row holding engine hash ``v`` (as kept: int64) in any of ``lists`` (a
- * worker's lists, one per medium), -1 when none does. ``spread`` and ``lst`` are ignored (each list's own are
- * used). */
-static PyObject *latest_row(PyObject *self, PyObject *args) {
-    PyObject *arrays[7], *lists;
+/* latest_keys(etab, ktab, e_hash, e_list, e_count, s_key, ehome, khome, spread, lst, lists, values, unsigned)
+ *   -> list[int]
+ * ``key_of`` of each of ``values`` (engine hashes as kept: int64s): the key of the latest entry row holding it in
+ * any of ``lists`` (a worker's lists, one per medium), the values no list holds left out; keys given back
+ * unsigned when ``unsigned`` (as ``_out_key``). ``spread`` and ``lst`` are ignored (each list's own are used). */
+static PyObject *latest_keys(PyObject *self, PyObject *args) {
+    PyObject *arrays[7], *lists, *values_in;
     Tables t;
-    long long spread, lst, v;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnnLLLO!", &arrays[0], &arrays[1], &arrays[2], &arrays[3], &arrays[4],
-                          &arrays[5], &arrays[6], &t.ehome, &t.khome, &spread, &lst, &v, &PyTuple_Type, &lists))
+    long long spread, lst;
+    int unsigned_keys;
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnLLO!Op", &arrays[0], &arrays[1], &arrays[2], &arrays[3], &arrays[4],
+                          &arrays[5], &arrays[6], &t.ehome, &t.khome, &spread, &lst, &PyTuple_Type, &lists,
+                          &values_in, &unsigned_keys))
         return NULL;
-    if (!set_tables(&t, arrays, spread, lst))
-        return NULL;
-    Py_ssize_t best = -1;
-    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(lists); j++) {
-        long long id = PyLong_AsLongLong(PyTuple_GET_ITEM(lists, j));
-        if (id == -1 && PyErr_Occurred())
+    Py_ssize_t n_lists = PyTuple_GET_SIZE(lists);
+    long long ids[3];
+    if (n_lists > 3)
+        return PyErr_Format(PyExc_ValueError, "at most three lists");
+    for (Py_ssize_t j = 0; j < n_lists; j++) {
+        ids[j] = PyLong_AsLongLong(PyTuple_GET_ITEM(lists, j));
+        if (ids[j] == -1 && PyErr_Occurred())
             return NULL;
-        t.lst = id;
-        t.spread = (int64_t)((uint64_t)id * LIST_MULT); /* ``_wrap64(lst * _LIST_MULT)`` */
-        Py_ssize_t pos, tomb;
-        int64_t r = find_entry(&t, v, &pos, &tomb);
-        if (r > best)
-            best = (Py_ssize_t)r;
     }
-    return PyLong_FromSsize_t(best);
+    PyObject *values = PySequence_Fast(values_in, "values must be a sequence");
+    if (!values)
+        return NULL;
+    PyObject *out = NULL;
+    if (!set_tables(&t, arrays, spread, lst))
+        goto done;
+    out = PyList_New(0);
+    for (Py_ssize_t i = 0; out != NULL && i < PySequence_Fast_GET_SIZE(values); i++) {
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(values, i));
+        if (v == -1 && PyErr_Occurred()) {
+            Py_CLEAR(out);
+            break;
+        }
+        int64_t best = -1;
+        for (Py_ssize_t j = 0; j < n_lists; j++) {
+            t.lst = ids[j];
+            t.spread = (int64_t)((uint64_t)ids[j] * LIST_MULT); /* ``_wrap64(lst * _LIST_MULT)`` */
+            Py_ssize_t pos, tomb;
+            int64_t r = find_entry(&t, v, &pos, &tomb);
+            if (r > best)
+                best = r;
+        }
+        if (best < 0)
+            continue;
+        int64_t key = get(&t.mk, best);
+        PyObject *k = unsigned_keys ? PyLong_FromUnsignedLongLong((uint64_t)key) : PyLong_FromLongLong(key);
+        if (k == NULL || PyList_Append(out, k) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(k);
+    }
+done:
+    Py_DECREF(values);
+    return out;
 }
 
 static PyMethodDef methods[] = {
-    {"latest_row", latest_row, METH_VARARGS, "CompactKvIndex.key_of's lookup: the latest row of a hash in lists."},
+    {"latest_keys", latest_keys, METH_VARARGS, "CompactKvIndex.key_of / keys_of: the latest entries' keys."},
     {"store_plain", store_plain, METH_VARARGS, "CompactKvIndex.store's loop for new blocks with new keys."},
     {"forget", forget, METH_NOARGS, "Release the buffers kept open for the arrays the loops last worked on."},
     {"remove_plain", remove_plain, METH_VARARGS, "CompactKvIndex.remove's loop for entries that hold their key alone."},

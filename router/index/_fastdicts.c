@@ -535,7 +535,38 @@ fail:
     return NULL;
 }
 
+/* keys_of(held_by_medium, hashes) -> list[int]
+ * ``key_of`` of each hash (the worker's maps GPU first), the ones it holds on no medium left out: what the feed
+ * tells the reuse statistics a GPU removal evicts, one call for an event's blocks. */
+static PyObject *keys_of(PyObject *self, PyObject *args) {
+    PyObject *held_by_medium, *hashes_in;
+    if (!PyArg_ParseTuple(args, "O!O", &PyTuple_Type, &held_by_medium, &hashes_in))
+        return NULL;
+    if (PyTuple_GET_SIZE(held_by_medium) != 3)
+        return PyErr_Format(PyExc_ValueError, "three media");
+    for (Py_ssize_t m = 0; m < 3; m++)
+        if (!PyDict_CheckExact(PyTuple_GET_ITEM(held_by_medium, m)))
+            return PyErr_Format(PyExc_TypeError, "the worker's maps must be dicts");
+    PyObject *hashes = PySequence_Fast(hashes_in, "engine hashes must be a sequence");
+    if (!hashes)
+        return NULL;
+    PyObject *out = PyList_New(0);
+    for (Py_ssize_t i = 0; out != NULL && i < PySequence_Fast_GET_SIZE(hashes); i++) {
+        PyObject *h = PySequence_Fast_GET_ITEM(hashes, i), *found = NULL;
+        for (Py_ssize_t m = 0; m < 3 && found == NULL; m++) {
+            found = PyDict_GetItemWithError(PyTuple_GET_ITEM(held_by_medium, m), h); /* borrowed */
+            if (found == NULL && PyErr_Occurred())
+                Py_CLEAR(out);
+        }
+        if (found != NULL && out != NULL && PyList_Append(out, found) < 0)
+            Py_CLEAR(out);
+    }
+    Py_DECREF(hashes);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"keys_of", keys_of, METH_VARARGS, "KvIndex.keys_of: key_of of each hash, those held nowhere left out."},
     {"store_new", store_new, METH_VARARGS, "KvIndex.store's loop for blocks new to the worker."},
     {"store_chain", store_chain, METH_VARARGS, "KvIndex.store_chain: a BlockStored's parent, keys and store."},
     {"gpu_prefix", gpu_prefix, METH_VARARGS, "KvIndex.match_lengths of a GPU-only index: (slots, lengths)."},

@@ -46,11 +46,11 @@ from router.index.residency import MEDIA, BlockEntry, EngineHash, Medium, Prefix
 try:  # the store and remove loops' common blocks in C (router/index/_fastcompact.c); the Python loops
     # (_store_blocks, _remove_blocks) do them without it
     from router.index._fastcompact import forget as _forget_buffers
-    from router.index._fastcompact import latest_row as _latest_row
+    from router.index._fastcompact import latest_keys as _latest_keys
     from router.index._fastcompact import remove_plain as _remove_plain
     from router.index._fastcompact import store_plain as _store_plain
 except ImportError:
-    _store_plain = _remove_plain = _latest_row = None
+    _store_plain = _remove_plain = _latest_keys = None
 
     def _forget_buffers() -> None:
         return None
@@ -410,14 +410,29 @@ class CompactKvIndex:
         slot = self._slot.get(worker_id)
         if slot is None:
             return None
-        h = engine_hash
-        v = h if type(h) is int and _I64_MIN <= h < _I64_END else self._hash_value(h, None)[0]
+        found = self.keys_of(worker_id, (engine_hash,))
+        return found[0] if found else None
+
+    def keys_of(self, worker_id: str, engine_hashes: Sequence[EngineHash]) -> list[int]:
+        """``key_of`` of each hash, the ones the worker holds on no medium left out (the feed asks it for the
+        parent of every stored event and the blocks of every GPU removal: the probes in C)."""
+        slot = self._slot.get(worker_id)
+        if slot is None:
+            return []
         lists = tuple(lst for lst in range(3 * slot, 3 * slot + 3) if self._list_len[lst])
-        if _latest_row is not None:  # the probes in C (the feed asks this for the parent of every stored event)
-            best = _latest_row(*self._tables(Medium.GPU, 0), v, lists) if lists else -1
-        else:
-            best = max((self._efind(lst, v)[1] for lst in lists), default=-1)
-        return None if best < 0 else self._out_key(self._mk[best])
+        if not lists:
+            return []
+        lo, hi = _I64_MIN, _I64_END
+        values = [h if type(h) is int and lo <= h < hi else self._hash_value(h, None)[0] for h in engine_hashes]
+        if _latest_keys is not None:
+            keys: list[int] = _latest_keys(*self._tables(Medium.GPU, 0), lists, values, self._unsigned_keys)
+            return keys
+        found = []
+        for v in values:
+            best = max(self._efind(lst, v)[1] for lst in lists)
+            if best >= 0:
+                found.append(self._out_key(self._mk[best]))
+        return found
 
     def store(
         self, worker_id: str, engine_hashes: Sequence[EngineHash], keys: Sequence[int], medium: Medium

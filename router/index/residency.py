@@ -27,11 +27,12 @@ from router.keys import ROOT_KEY, chain_keys
 try:  # the common blocks' loops and the GPU-only walk in C (router/index/_fastdicts.c); the Python below does the
     # same without them
     from router.index._fastdicts import gpu_prefix as _gpu_prefix
+    from router.index._fastdicts import keys_of as _keys_of
     from router.index._fastdicts import remove_plain as _remove_plain
     from router.index._fastdicts import store_chain as _store_chain
     from router.index._fastdicts import store_new as _store_new
 except ImportError:
-    _store_new = _store_chain = _remove_plain = _gpu_prefix = None
+    _store_new = _store_chain = _remove_plain = _gpu_prefix = _keys_of = None
 
 EngineHash = Hashable  # vLLM sends uint64 (default) or digest bytes; SGLang signed int64
 
@@ -168,6 +169,16 @@ class KvIndex:
             if key is not None:
                 return key
         return None
+
+    def keys_of(self, worker_id: str, engine_hashes: Sequence[EngineHash]) -> list[int]:
+        """``key_of`` of each hash, the ones the worker holds on no medium left out (in C: one call, not one a
+        block, for what the feed tells the reuse statistics of every GPU removal)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return []
+        if _keys_of is not None:
+            return _keys_of(w.held, engine_hashes)  # type: ignore[no-any-return]
+        return [k for h in engine_hashes if (k := self.key_of(worker_id, h)) is not None]
 
     def store(
         self, worker_id: str, engine_hashes: Sequence[EngineHash], keys: Sequence[int], medium: Medium
