@@ -125,7 +125,8 @@ def _array64(values: Sequence[int]) -> tuple[np.ndarray, bool]:
 
 class _Table:
     """Open addressing with linear probing over int32 slots holding row numbers (the owner knows each row's
-    probe key). Deleted slots become tombstones until the next rebuild. Keys hash into the first ``homes``
+    probe key). Deleted slots become tombstones until the next rebuild; the scalar store loops (Python and C)
+    put a new entry at the first tombstone its probe passed. Keys hash into the first ``homes``
     slots; a few more follow them, so that a rebuild can place every run of keys without wrapping."""
 
     __slots__ = ("homes", "limit", "mv", "slots", "used")
