@@ -342,7 +342,8 @@ done:
     return result;
 }
 
-/* latest_keys(etab, ktab, e_hash, e_list, e_count, s_key, ehome, khome, spread, lst, lists, values, unsigned)
+/* latest_keys(etab, ktab, e_hash, e_key, e_list, e_count, s_key, ehome, khome, spread, lst, lists, values,
+ *             unsigned)
  *   -> list[int]
  * ``key_of`` of each of ``values`` (engine hashes as kept: int64s): the key of the latest entry row holding it in
  * any of ``lists`` (a worker's lists, one per medium), the values no list holds left out; keys given back

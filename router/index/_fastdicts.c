@@ -122,8 +122,8 @@ static PyObject *chain_and_store(PyObject *held_by_medium, Py_ssize_t medium, Py
  * keys, router/_xxh3.h), then ``store_loop`` on the medium's map. ``keys`` is None when the parent is unknown
  * (an orphan: nothing stored). None: a case this path does not cover (tokens neither a list nor a buffer of
  * uint32, a block size outside 5 to 60 tokens, a parent key that is not a uint64): the caller composes the
- * three in Python. TypeError or
- * OverflowError for a token that is not a uint32, before anything is stored, as ``chain_keys`` raises.
+ * three in Python. TypeError or OverflowError for a token that is not a uint32, before anything is stored, as
+ * ``chain_keys`` raises.
  *
  * Why one call: a vLLM engine publishes a BlockStored of one block for every 16 tokens each running request
  * decodes, so events of one or two blocks are the common ones, and for them the three Python calls this

@@ -214,8 +214,7 @@ class KvIndex:
         worker does not hold the parent (an orphan). The feed's common event in one compiled call
         (router/index/_fastdicts.c: ``store_chain``); token ids that are not uint32 raise as ``chain_keys``."""
         w = self._workers.get(worker_id)
-        if _store_chain is not None and (w is not None or parent_hash is None):
-            w = w or self._worker(worker_id)
+        if _store_chain is not None and w is not None:  # (a worker's first event: composed, as it makes the worker)
             holders, bit = self._holders[medium], w.bit
             done = _store_chain(w.held, medium, holders, engine_hashes, token_ids, block_size, parent_hash, ROOT_KEY,
                                 bit)
