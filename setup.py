@@ -5,7 +5,7 @@ why. Optional: where no C compiler is found the build goes on without them."""
 
 from setuptools import Extension, setup
 
-SHARED = ["router/_xxh3.h"]  # XXH3 and the token reading, included by _fastkeys.c and _fastdicts.c (MANIFEST.in ships it)
+SHARED = ["router/_xxh3.h"]  # XXH3 and token reading, included by _fastkeys.c and _fastdicts.c (shipped by MANIFEST.in)
 
 setup(ext_modules=[Extension(name, [source], optional=True, extra_compile_args=["-O2"], depends=SHARED)
                    for name, source in (("router._fastkeys", "router/_fastkeys.c"),

@@ -271,8 +271,7 @@ def main(args: argparse.Namespace) -> int:
     rows = [("", "".join(f"{n:>24}" for n in names)),
             ("ingest (decode+apply), block-events/s, 1 core", cells(lambda r: f"{r['ingest_block_events_per_s']:,}")),
             ("  baseline: decode only, block-events/s", cells(lambda r: f"{r['decode_only_block_events_per_s']:,}")),
-            ("  ingest as a fraction of decode only", cells(
-                lambda r: f"{r['ingest_block_events_per_s'] / r['decode_only_block_events_per_s']:.3f}x")),
+            ("  ingest as a fraction of decode only", cells(lambda r: f"{_fraction(r):.3f}x")),
             ("  decode + feed + keys, an index doing nothing, fraction", cells(
                 lambda r: f"{r['feed_and_keys_block_events_per_s'] / r['decode_only_block_events_per_s']:.3f}x")),
             ("ingest of one-block events (decoding engines), block-events/s", cells(

@@ -69,7 +69,7 @@ class EventMessage:
 
 
 # vLLM/SGLang medium names -> our tiers. None: engines before media were reported (GPU).
-MEDIA_BY_NAME: dict[str | None, Medium] = {  # the spellings engines send; medium_of takes any case
+_MEDIA: dict[str | None, Medium] = {
     None: Medium.GPU,
     "GPU": Medium.GPU,
     "CPU": Medium.CPU,
@@ -81,11 +81,11 @@ MEDIA_BY_NAME: dict[str | None, Medium] = {  # the spellings engines send; mediu
 
 
 def medium_of(name: str | None) -> Medium:
-    medium = MEDIA_BY_NAME.get(name)  # the exact spelling first: one dict lookup per event
+    medium = _MEDIA.get(name)  # the exact spelling first: one dict lookup per event
     if medium is not None:
         return medium
     try:
-        return MEDIA_BY_NAME[name.upper() if name else None]
+        return _MEDIA[name.upper() if name else None]
     except KeyError:
         raise MalformedFrame(f"unknown medium {name!r}") from None
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from router.events.codec import (
-    MEDIA_BY_NAME,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -33,6 +32,9 @@ from router.index import BlockEntry, KvIndex, Medium
 from router.keys import ROOT_KEY, chain_keys, request_extras
 
 T = TypeVar("T")
+# what applying an event raises when the event is malformed: counted, and the event skipped (RecursionError: extra
+# keys nested past what hashing them can walk)
+MALFORMED_EVENT = (MalformedFrame, ValueError, OverflowError, TypeError, RecursionError)
 # A feed operation in steps: each ``next`` applies up to SLICE_BLOCKS blocks, so an adapter with an event
 # loop can yield between steps (one BlockStored of a million hashes must not stall every request).
 Steps = Generator[None, None, T]
@@ -320,7 +322,7 @@ class IndexFeeder:
                         else:
                             self._removed(f, event)
                             removed += 1
-                    except (MalformedFrame, ValueError, OverflowError, TypeError, RecursionError):
+                    except MALFORMED_EVENT:
                         f.malformed += 1
                         continue
                     self._work += len(event.block_hashes) + 1
@@ -351,15 +353,13 @@ class IndexFeeder:
                 if self._work >= SLICE_BLOCKS:
                     self._work = 0
                     yield
-        except (MalformedFrame, ValueError, OverflowError, TypeError, RecursionError):
-            f.malformed += 1  # (RecursionError: extra keys nested past what hashing them can walk)
+        except MALFORMED_EVENT:
+            f.malformed += 1
             return
         f.events[cls.__name__] += 1
 
     def _removed(self, f: WorkerFeed, ev: BlockRemoved) -> None:
-        medium = MEDIA_BY_NAME.get(ev.medium)
-        if medium is None:
-            medium = medium_of(ev.medium)
+        medium = medium_of(ev.medium)
         hashes = ev.block_hashes
         if f.rechunk is not None:  # pages first: what they do not hold may be plain blocks
             hashes = f.rechunk.remove(hashes, medium)
@@ -371,9 +371,7 @@ class IndexFeeder:
         n = len(ev.block_hashes)
         if ev.block_size <= 0 or len(ev.token_ids) != n * ev.block_size:
             raise MalformedFrame("token_ids do not fill block_hashes x block_size")
-        medium = MEDIA_BY_NAME.get(ev.medium)  # (the exact spelling without a call first: Medium.GPU is 0)
-        if medium is None:
-            medium = medium_of(ev.medium)
+        medium = medium_of(ev.medium)
         if self.block_size is not None and ev.block_size != self.block_size:
             if self.rechunk and can_rechunk(ev.block_size, self.block_size):
                 if f.rechunk is None:

@@ -172,17 +172,19 @@ static int plain_hash(PyObject *h, int64_t *v) {
 }
 
 /* ``_efind`` of hash ``v`` in the list: the entry row holding it, or EMPTY (``*pos``: that slot, or the first
- * empty one; ``*tomb``: the first tombstone passed on the way, -1 if none, where a new entry goes). */
+ * empty one; ``*tomb``, unless NULL: the first tombstone passed on the way, -1 if none, where a new entry
+ * goes). */
 static int64_t find_entry(const Tables *t, int64_t v, Py_ssize_t *pos, Py_ssize_t *tomb) {
     Py_ssize_t p = home(v ^ t->spread, t->ehome);
-    *tomb = -1;
+    if (tomb != NULL)
+        *tomb = -1;
     for (;;) {
         int64_t r = get(&t->et, p);
         if (r == EMPTY || (r >= 0 && get(&t->mh, r) == v && get(&t->ml, r) == t->lst)) {
             *pos = p;
             return r;
         }
-        if (r == TOMB && *tomb < 0)
+        if (tomb != NULL && r == TOMB && *tomb < 0)
             *tomb = p;
         if (++p == t->et.len)
             p = 0;
@@ -193,14 +195,15 @@ static int64_t find_entry(const Tables *t, int64_t v, Py_ssize_t *pos, Py_ssize_
  * or the first empty one; ``*tomb`` as in ``find_entry``). */
 static int64_t find_key(const Tables *t, int64_t k, Py_ssize_t *pos, Py_ssize_t *tomb) {
     Py_ssize_t p = home(k, t->khome);
-    *tomb = -1;
+    if (tomb != NULL)
+        *tomb = -1;
     for (;;) {
         int64_t val = get(&t->kt, p);
         if (val == EMPTY || (val >= 0 && get(&t->mk, val) == k) || (val <= -3 && get(&t->sk, -3 - val) == k)) {
             *pos = p;
             return val;
         }
-        if (val == TOMB && *tomb < 0)
+        if (tomb != NULL && val == TOMB && *tomb < 0)
             *tomb = p;
         if (++p == t->kt.len)
             p = 0;
@@ -318,8 +321,8 @@ static PyObject *remove_plain(PyObject *self, PyObject *args) {
         int64_t v;
         if (!plain_hash(PySequence_Fast_GET_ITEM(hashes, i), &v))
             break;
-        Py_ssize_t pos, kpos, tomb;
-        int64_t r = find_entry(&t, v, &pos, &tomb);
+        Py_ssize_t pos, kpos;
+        int64_t r = find_entry(&t, v, &pos, NULL);
         if (r < 0) {
             unknown++;
             continue;
@@ -329,7 +332,7 @@ static PyObject *remove_plain(PyObject *self, PyObject *args) {
             put(&t.mc, r, count - 1);
             continue;
         }
-        if (find_key(&t, get(&t.mk, r), &kpos, &tomb) < 0 || originals)
+        if (find_key(&t, get(&t.mk, r), &kpos, NULL) < 0 || originals)
             break; /* a shared row (or a non-int hash's count): the Python loop */
         put(&t.et, pos, TOMB);
         put(&t.kt, kpos, TOMB);
@@ -383,8 +386,8 @@ static PyObject *latest_keys(PyObject *self, PyObject *args) {
         for (Py_ssize_t j = 0; j < n_lists; j++) {
             t.lst = ids[j];
             t.spread = (int64_t)((uint64_t)ids[j] * LIST_MULT); /* ``_wrap64(lst * _LIST_MULT)`` */
-            Py_ssize_t pos, tomb;
-            int64_t r = find_entry(&t, v, &pos, &tomb);
+            Py_ssize_t pos;
+            int64_t r = find_entry(&t, v, &pos, NULL);
             if (r > best)
                 best = r;
         }

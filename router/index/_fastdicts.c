@@ -111,6 +111,32 @@ static PyObject *store_new(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* A worker's maps (engine hash -> key), one per medium: 0, or -1 with an exception set when they are not three
+ * dicts. */
+static int check_held(PyObject *held_by_medium) {
+    if (PyTuple_GET_SIZE(held_by_medium) != 3) {
+        PyErr_SetString(PyExc_ValueError, "three media");
+        return -1;
+    }
+    for (Py_ssize_t m = 0; m < 3; m++)
+        if (!PyDict_CheckExact(PyTuple_GET_ITEM(held_by_medium, m))) {
+            PyErr_SetString(PyExc_TypeError, "the worker's maps must be dicts");
+            return -1;
+        }
+    return 0;
+}
+
+/* ``key_of`` in the worker's maps (checked by ``check_held``), GPU first: a borrowed key, or NULL (with an
+ * exception set on an error, none when no map holds the hash). */
+static PyObject *held_key(PyObject *held_by_medium, PyObject *h) {
+    for (Py_ssize_t m = 0; m < 3; m++) {
+        PyObject *found = PyDict_GetItemWithError(PyTuple_GET_ITEM(held_by_medium, m), h);
+        if (found != NULL || PyErr_Occurred())
+            return found;
+    }
+    return NULL;
+}
+
 static PyObject *chain_and_store(PyObject *held_by_medium, Py_ssize_t medium, PyObject *holders, PyObject *hashes_in,
                                  PyObject *tokens, const uint8_t *data, Py_ssize_t count, Py_ssize_t block_size,
                                  PyObject *parent_hash, unsigned long long key, PyObject *bit);
@@ -135,7 +161,9 @@ static PyObject *store_chain(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!nO!OOnOKO", &PyTuple_Type, &held_by_medium, &medium, &PyDict_Type, &holders,
                           &hashes_in, &tokens, &block_size, &parent_hash, &key, &bit))
         return NULL;
-    if (PyTuple_GET_SIZE(held_by_medium) != 3 || medium < 0 || medium > 2)
+    if (check_held(held_by_medium) < 0)
+        return NULL;
+    if (medium < 0 || medium > 2)
         return PyErr_Format(PyExc_ValueError, "three media");
     size_t step = (size_t)block_size * 4;
     if (block_size <= 0 || step < MIN_BLOCK || step > MAX_BLOCK)
@@ -169,16 +197,10 @@ static PyObject *chain_and_store(PyObject *held_by_medium, Py_ssize_t medium, Py
                                  PyObject *tokens, const uint8_t *data, Py_ssize_t count, Py_ssize_t block_size,
                                  PyObject *parent_hash, unsigned long long key, PyObject *bit) {
     size_t step = (size_t)block_size * 4;
-    for (Py_ssize_t m = 0; m < 3; m++)
-        if (!PyDict_CheckExact(PyTuple_GET_ITEM(held_by_medium, m)))
-            return PyErr_Format(PyExc_TypeError, "the worker's maps must be dicts");
     if (parent_hash != Py_None) {
-        PyObject *found = NULL;
-        for (Py_ssize_t m = 0; m < 3 && found == NULL; m++) {
-            found = PyDict_GetItemWithError(PyTuple_GET_ITEM(held_by_medium, m), parent_hash); /* borrowed */
-            if (found == NULL && PyErr_Occurred())
-                return NULL;
-        }
+        PyObject *found = held_key(held_by_medium, parent_hash);
+        if (found == NULL && PyErr_Occurred())
+            return NULL;
         if (found == NULL)
             return Py_BuildValue("nnO", (Py_ssize_t)0, (Py_ssize_t)0, Py_None);
         if (!PyLong_CheckExact(found))
@@ -540,25 +562,15 @@ fail:
  * tells the reuse statistics a GPU removal evicts, one call for an event's blocks. */
 static PyObject *keys_of(PyObject *self, PyObject *args) {
     PyObject *held_by_medium, *hashes_in;
-    if (!PyArg_ParseTuple(args, "O!O", &PyTuple_Type, &held_by_medium, &hashes_in))
+    if (!PyArg_ParseTuple(args, "O!O", &PyTuple_Type, &held_by_medium, &hashes_in) || check_held(held_by_medium) < 0)
         return NULL;
-    if (PyTuple_GET_SIZE(held_by_medium) != 3)
-        return PyErr_Format(PyExc_ValueError, "three media");
-    for (Py_ssize_t m = 0; m < 3; m++)
-        if (!PyDict_CheckExact(PyTuple_GET_ITEM(held_by_medium, m)))
-            return PyErr_Format(PyExc_TypeError, "the worker's maps must be dicts");
     PyObject *hashes = PySequence_Fast(hashes_in, "engine hashes must be a sequence");
     if (!hashes)
         return NULL;
     PyObject *out = PyList_New(0);
     for (Py_ssize_t i = 0; out != NULL && i < PySequence_Fast_GET_SIZE(hashes); i++) {
-        PyObject *h = PySequence_Fast_GET_ITEM(hashes, i), *found = NULL;
-        for (Py_ssize_t m = 0; m < 3 && found == NULL; m++) {
-            found = PyDict_GetItemWithError(PyTuple_GET_ITEM(held_by_medium, m), h); /* borrowed */
-            if (found == NULL && PyErr_Occurred())
-                Py_CLEAR(out);
-        }
-        if (found != NULL && out != NULL && PyList_Append(out, found) < 0)
+        PyObject *found = held_key(held_by_medium, PySequence_Fast_GET_ITEM(hashes, i));
+        if ((found == NULL && PyErr_Occurred()) || (found != NULL && PyList_Append(out, found) < 0))
             Py_CLEAR(out);
     }
     Py_DECREF(hashes);

@@ -132,7 +132,7 @@ class KvIndex:
         if w is None:
             return 0
         dropped = 0
-        bit = 1 << w.slot
+        bit = w.bit
         for medium in MEDIA:
             holders = self._holders[medium]
             refs = w.held[medium]
@@ -187,7 +187,7 @@ class KvIndex:
         w = self._worker(worker_id)
         held = w.held[medium]
         holders = self._holders[medium]
-        bit = 1 << w.slot
+        bit = w.bit
         if _store_new is None:
             added = 0
             for h, key in zip(engine_hashes, keys, strict=True):
@@ -262,7 +262,7 @@ class KvIndex:
         # _drop_entry inlined (a call per block costs as much as the block's own work); the rare cases (a
         # hash with more than one copy, a key two hashes share) take the slow path
         extra, holders, dup_keys = w.extra_copies, self._holders[medium], self._dup_keys
-        keep = ~(1 << w.slot)
+        keep = ~w.bit
         if _remove_plain is not None and not extra and not dup_keys and isinstance(engine_hashes, Sequence):
             unknown, dropped = _remove_plain(held, holders, engine_hashes, keep)
             self._entries -= dropped
@@ -313,7 +313,7 @@ class KvIndex:
                 self._dup_keys[dup] = extra - 1
             return
         holders = self._holders[medium]
-        mask = holders.get(key, 0) & ~(1 << w.slot)
+        mask = holders.get(key, 0) & ~w.bit
         if mask:
             holders[key] = mask
         else:

@@ -206,7 +206,8 @@ class LoadTracker:
         active = w.active_keys
         ends, cumulative, freed = [], [], 0
         for end, rid in order:
-            keys = self.inflight[rid].keys
+            r = self.inflight[rid]
+            keys = r.keys
             shared = _shared_len(keys, active)
             for k in islice(keys, shared):
                 gone[k] = gone.get(k, 0) + 1
@@ -218,7 +219,7 @@ class LoadTracker:
                     hi = mid
                 else:
                     lo = mid + 1
-            freed += self.inflight[rid].tail_blocks + len(keys) - lo
+            freed += r.tail_blocks + len(keys) - lo
             ends.append(end)
             cumulative.append(freed)
         return ends, cumulative
