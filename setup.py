@@ -1,7 +1,8 @@
 """The compiled parts, each the per-block loop of one pure-Python module, which stays the reference and the
 fallback: router/_fastkeys.c (chained block keys), router/index/_fastdicts.c (the dict index's store and remove
-loops and its match walk) and router/index/_fastcompact.c (the compact index's store loop); their headers say
-why. Optional: where no C compiler is found the build goes on without them."""
+loops and its match walk), router/index/_fastcompact.c (the compact index's store loop) and
+router/scheduling/_fastghosts.c (the reuse statistics' ghost list); their headers say why. Optional: where no C
+compiler is found the build goes on without them."""
 
 from setuptools import Extension, setup
 
@@ -10,4 +11,5 @@ SHARED = ["router/_xxh3.h"]  # XXH3 and token reading, included by _fastkeys.c a
 setup(ext_modules=[Extension(name, [source], optional=True, extra_compile_args=["-O2"], depends=SHARED)
                    for name, source in (("router._fastkeys", "router/_fastkeys.c"),
                                         ("router.index._fastdicts", "router/index/_fastdicts.c"),
-                                        ("router.index._fastcompact", "router/index/_fastcompact.c"))])
+                                        ("router.index._fastcompact", "router/index/_fastcompact.c"),
+                                        ("router.scheduling._fastghosts", "router/scheduling/_fastghosts.c"))])
