@@ -1,8 +1,9 @@
 """The compiled parts, each the per-block loop of one pure-Python module, which stays the reference and the
 fallback: router/_fastkeys.c (chained block keys), router/index/_fastdicts.c (the dict index's store and remove
-loops and its match walk), router/index/_fastcompact.c (the compact index's store loop) and
-router/scheduling/_fastghosts.c (the reuse statistics' ghost list); their headers say why. Optional: where no C
-compiler is found the build goes on without them."""
+loops and its match walk), router/index/_fastcompact.c (the compact index's store loop),
+router/scheduling/_fastghosts.c (the reuse statistics' ghost list) and router/events/_fasttokens.c (an event's
+token ids read from their msgpack bytes); their headers say why. Optional: where no C compiler is found the
+build goes on without them."""
 
 from setuptools import Extension, setup
 
@@ -12,4 +13,5 @@ setup(ext_modules=[Extension(name, [source], optional=True, extra_compile_args=[
                    for name, source in (("router._fastkeys", "router/_fastkeys.c"),
                                         ("router.index._fastdicts", "router/index/_fastdicts.c"),
                                         ("router.index._fastcompact", "router/index/_fastcompact.c"),
-                                        ("router.scheduling._fastghosts", "router/scheduling/_fastghosts.c"))])
+                                        ("router.scheduling._fastghosts", "router/scheduling/_fastghosts.c"),
+                                        ("router.events._fasttokens", "router/events/_fasttokens.c"))])

@@ -8,9 +8,11 @@ import pytest
 from router.events.codec import (
     AllBlocksCleared,
     BlockStored,
+    RawBlockStored,
     decode_message,
     decode_replay_frames,
     encode_payload,
+    token_ids_of,
 )
 from router.events.feed import IndexFeeder
 from router.events.recording import read_recording
@@ -26,12 +28,13 @@ def recording(fixture_path):
     return list(read_recording(fixture_path))
 
 
-def live(recording):
-    return [decode_message(r.frames) for r in recording if r.kind == "pub"]
+def live(recording, raw_tokens=False):
+    return [decode_message(r.frames, raw_tokens) for r in recording if r.kind == "pub"]
 
 
-def test_every_frame_decodes_and_reencodes_byte_exact(recording):
-    msgs = live(recording)
+@pytest.mark.parametrize("raw_tokens", [False, True])
+def test_every_frame_decodes_and_reencodes_byte_exact(recording, raw_tokens):
+    msgs = live(recording, raw_tokens)
     assert [m.seq for m in msgs] == list(range(len(msgs)))
     assert all(m.topic == "kv" and m.batch.data_parallel_rank == 0 for m in msgs)
     for rec, msg in zip([r for r in recording if r.kind == "pub"], msgs, strict=True):
@@ -127,3 +130,23 @@ def test_replay_frames_decode_the_same_as_live_frames(recording):
     assert [m.seq for m in decoded[:-1]] == list(range(replies[0].raw["from_seq"], max(by_seq)))
     for m in decoded[:-1]:
         assert m == by_seq[m.seq]
+
+
+def test_the_routers_decode_indexes_exactly_what_a_full_decode_does(recording):
+    """The router's ingest decodes token ids raw (``RawBlockStored``, read into uint32s by ``token_ids_of``):
+    the same blocks, keys and counts as from fully decoded events, on every prefix of the recording."""
+    feeders = {raw: IndexFeeder(KvIndex(), block_size=BLOCK) for raw in (False, True)}
+    full, raw = live(recording), live(recording, raw_tokens=True)
+    assert any(type(e) is RawBlockStored for m in raw for e in m.batch.events)
+    for a, b in zip(full, raw, strict=True):
+        feeders[False].offer("kv", a.seq, a.batch, 0.0)
+        feeders[True].offer("kv", b.seq, b.batch, 0.0)
+        for e in a.batch.events:
+            if isinstance(e, BlockStored):
+                assert token_ids_of(next(x for x in b.batch.events if getattr(x, "block_hashes", None) ==
+                                         e.block_hashes).token_ids).tolist() == e.token_ids
+                assert [feeders[True].index.key_of("kv", h) for h in e.block_hashes] == \
+                    [feeders[False].index.key_of("kv", h) for h in e.block_hashes]
+        assert feeders[True].index.blocks_held("kv") == feeders[False].index.blocks_held("kv")
+    f_full, f_raw = feeders[False].feeds["kv"], feeders[True].feeds["kv"]
+    assert dict(f_raw.events) == dict(f_full.events) and f_raw.malformed == f_full.malformed == 0

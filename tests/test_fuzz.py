@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from array import array
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from router.discovery import WorkerSpec
+from router.events import codec
 from router.events.codec import (
     AllBlocksCleared,
     BlockRemoved,
@@ -39,6 +41,7 @@ from router.events.codec import (
     decode_payload,
     decode_replay_frames,
     encode_payload,
+    token_ids_of,
 )
 from router.events.feed import Gap, IndexFeeder
 from router.events.recording import read_recording
@@ -444,10 +447,11 @@ def mutated_payloads(draw: st.DrawFn) -> bytes:
 PAYLOADS = st.one_of(wild_payloads(), mutated_payloads(), st.binary(max_size=64), DEEP_PAYLOADS)
 
 
-def decoded(payload: bytes) -> EventBatch | None:
-    """The decoder's contract: a batch of known events, or ``MalformedFrame`` (nothing else)."""
+def decoded(payload: bytes, raw_tokens: bool = False) -> EventBatch | None:
+    """The decoder's contract: a batch of known events, or ``MalformedFrame`` (nothing else); ``raw_tokens``:
+    the router's ingest decode (token ids left raw)."""
     try:
-        batch = decode_payload(payload)
+        batch = decode_payload(payload, raw_tokens)
     except MalformedFrame as e:
         assert str(e)
         return None
@@ -478,7 +482,8 @@ def check_index(feeder: IndexFeeder, probe: list[int]) -> None:
 @example([_deep(5000, "extra_keys")], [], None)
 def test_any_payload_decodes_or_is_malformed_and_never_breaks_the_feed(payloads, steps, data):
     feeder = IndexFeeder(KvIndex(), block_size=16)
-    batches = [b for b in map(decoded, payloads) if b is not None]
+    raw_tokens = data is not None and data.draw(st.booleans(), label="raw_tokens")
+    batches = [b for b in (decoded(p, raw_tokens) for p in payloads) if b is not None]
     seq, now = 0, 0.0
     for i, batch in enumerate(batches):
         before = counted(feeder)
@@ -531,6 +536,25 @@ def test_an_event_nested_as_deep_as_the_decoder_accepts_is_counted_not_raised():
     assert counted(feeder) == 1
 
 
+@settings(max_examples=500, **FUZZ)
+@given(st.one_of(st.lists(MP_INTS, max_size=40), st.lists(st.integers(0, 2**32 - 1), min_size=15, max_size=70000),
+                 MP_VALUES).map(msgspec.msgpack.encode).flatmap(
+    lambda b: st.one_of(st.just(b), st.binary(max_size=4).map(lambda x: b + x), st.just(b[: max(0, len(b) - 1)]))))
+def test_raw_token_ids_read_as_a_full_decode_reads_them(raw):
+    assert codec._uint32_array is not None, "router.events._fasttokens was not built: is a C compiler installed?"
+    """``token_ids_of`` (router/events/_fasttokens.c, then msgspec) on any bytes: the ids a decoded list holds,
+    as uint32s when they all are, or ``MalformedFrame``; never anything else."""
+    try:
+        expected = msgspec.msgpack.decode(raw, type=list[int])
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        with pytest.raises(MalformedFrame):
+            token_ids_of(msgspec.Raw(raw))
+        return
+    got = token_ids_of(msgspec.Raw(raw))
+    assert list(got) == expected
+    assert isinstance(got, array) == all(0 <= t < 2**32 for t in expected)
+
+
 VALID_MEDIA = {"GPU": Medium.GPU, "CPU": Medium.CPU, "CPU_PINNED": Medium.CPU, "STORAGE": Medium.STORAGE,
                "DISK": Medium.STORAGE, "EXTERNAL": Medium.STORAGE}
 TOKEN_IDS = st.one_of(st.integers(0, VOCAB - 1), st.integers(0, VOCAB - 1), st.integers(2**32, 2**64 - 1),
@@ -559,15 +583,17 @@ def shaped_stored(draw: st.DrawFn) -> tuple[dict[str, Any], bool]:
 
 
 @settings(max_examples=500, **FUZZ)
-@given(shaped_stored(), st.booleans())
+@given(shaped_stored(), st.booleans(), st.booleans())
 @example(({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [2**32] * 16,
-           "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": None}, True), False)
+           "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": None}, True), False,
+         True)
 @example(({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1] * 16,
-           "block_size": -16, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": None}, True), True)
-def test_a_malformed_block_stored_is_counted_and_a_good_one_is_indexed(case, as_array):
+           "block_size": -16, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": None}, True), True,
+         False)
+def test_a_malformed_block_stored_is_counted_and_a_good_one_is_indexed(case, as_array, raw_tokens):
     event, bad = case
     shaped = ["BlockStored", *list(event.values())[1:]] if as_array else event
-    batch = decoded(msgspec.msgpack.encode([1.0, [shaped], 0]))
+    batch = decoded(msgspec.msgpack.encode([1.0, [shaped], 0]), raw_tokens)
     assert batch is not None and len(batch.events) == 1 and isinstance(batch.events[0], BlockStored)
     feeder = IndexFeeder(KvIndex(), block_size=16)
     assert feeder.offer("w", 0, batch, 1.0) is None

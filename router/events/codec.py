@@ -7,10 +7,13 @@ ended by ``[b"", b"", 0xFF*8, ...]``.
 
 Decoding takes msgspec's typed fast path for the current shape and falls back to a tolerant generic
 decode for the older and SGLang shapes. Unknown fields are ignored; anything else is ``MalformedFrame``.
+The router's own ingest decodes with ``raw_tokens``: a BlockStored's token ids stay the msgpack array they
+came in (``RawBlockStored``) until the feed reads them into uint32s (``token_ids_of``), which it only hashes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +45,14 @@ class BlockStored(msgspec.Struct, tag_field="type", tag=True, gc=False):
     cache_salt: str | None = None  # SGLang sends the salt as its own field
 
 
+class RawBlockStored(BlockStored, tag="BlockStored"):
+    """A BlockStored as the router's ingest decodes it: ``token_ids`` left as the msgpack bytes of their array
+    (a ``msgspec.Raw`` into the frame), read by ``token_ids_of``. Decoding 256 ids to a list made an int object
+    of each, three quarters of the cost of decoding a batch; encoding writes the bytes back as they came."""
+
+    token_ids: msgspec.Raw  # type: ignore[assignment]
+
+
 class BlockRemoved(msgspec.Struct, tag_field="type", tag=True, gc=False):
     block_hashes: list[BlockHash]
     medium: str | None = None
@@ -59,6 +70,12 @@ class EventBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[KvEvent]
     data_parallel_rank: int | None = None
+
+
+class _IngestBatch(EventBatch):
+    """An ``EventBatch`` whose BlockStored events are ``RawBlockStored`` (``decode_payload(raw_tokens=True)``)."""
+
+    events: list[RawBlockStored | BlockRemoved | AllBlocksCleared]  # type: ignore[assignment]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +108,8 @@ def medium_of(name: str | None) -> Medium:
 
 
 _typed = msgspec.msgpack.Decoder(EventBatch)
+_typed_raw_tokens = msgspec.msgpack.Decoder(_IngestBatch)
+_token_list = msgspec.msgpack.Decoder(list[int])
 _generic = msgspec.msgpack.Decoder()
 _encoder = msgspec.msgpack.Encoder()
 _EVENT_TYPES: dict[str, type[msgspec.Struct]] = {
@@ -100,9 +119,11 @@ _EVENT_TYPES: dict[str, type[msgspec.Struct]] = {
 }
 
 
-def decode_payload(payload: bytes) -> EventBatch:
+def decode_payload(payload: bytes, raw_tokens: bool = False) -> EventBatch:
+    """A payload's batch. ``raw_tokens``: the typed path leaves BlockStored token ids undecoded (the router's
+    ingest; ``token_ids_of`` reads them), so a bad token list fails that one event, not the batch."""
     try:
-        return _typed.decode(payload)
+        return (_typed_raw_tokens if raw_tokens else _typed).decode(payload)
     except (msgspec.ValidationError, msgspec.DecodeError):
         pass
     except RecursionError:
@@ -150,33 +171,60 @@ def _event_from_raw(raw: Any) -> KvEvent | None:
         raise MalformedFrame(f"bad {tag}: nested too deeply") from None
 
 
+try:  # router/events/_fasttokens.c: the common case, uint32 ids, read in place
+    from router.events._fasttokens import uint32_array as _uint32_array
+except ImportError:  # built without a C compiler
+    _uint32_array = None
+
+
+def token_ids_of(tokens: Sequence[int] | msgspec.Raw) -> Sequence[int]:
+    """A BlockStored's token ids as the index hashes them: a ``RawBlockStored``'s read from their msgpack bytes,
+    as an array('I') when every id is a uint32 (router/events/_fasttokens.c), else (or without the compiled
+    reader) as the list a full decode gives, so that an id out of range fails where a decoded list's does; any
+    other form as it is.
+    ``MalformedFrame`` when the bytes are not a list of ints."""
+    if type(tokens) is not msgspec.Raw:
+        return tokens
+    if _uint32_array is not None:
+        ids = _uint32_array(tokens)
+        if ids is not None:
+            return ids  # type: ignore[no-any-return]
+    try:
+        listed = _token_list.decode(tokens)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise MalformedFrame(f"bad token_ids: {e}") from None
+    except RecursionError:
+        raise MalformedFrame("token_ids nested too deeply") from None
+    return listed
+
+
 def decode_seq(frame: bytes) -> int:
     if len(frame) != SEQ_BYTES:
         raise MalformedFrame(f"seq frame must be {SEQ_BYTES} bytes, got {len(frame)}")
     return int.from_bytes(frame, "big")
 
 
-def decode_message(frames: list[bytes]) -> EventMessage:
-    """A live PUB message ``[topic, seq, payload]``."""
+def decode_message(frames: list[bytes], raw_tokens: bool = False) -> EventMessage:
+    """A live PUB message ``[topic, seq, payload]``; ``raw_tokens`` as for ``decode_payload``."""
     if len(frames) != 3:
         raise MalformedFrame(f"expected 3 frames, got {len(frames)}")
     try:
         topic = bytes(frames[0]).decode()
     except UnicodeDecodeError:
         raise MalformedFrame("topic is not utf-8") from None
-    return EventMessage(topic, decode_seq(frames[1]), decode_payload(frames[2]))
+    return EventMessage(topic, decode_seq(frames[1]), decode_payload(frames[2], raw_tokens))
 
 
-def decode_replay_frames(frames: list[bytes]) -> EventMessage | None:
+def decode_replay_frames(frames: list[bytes], raw_tokens: bool = False) -> EventMessage | None:
     """One replay reply; ``None`` for the end marker. Accepts the older form without a topic."""
     if frames and frames[0] == b"":
         frames = frames[1:]  # DEALER delimiter
     if len(frames) >= 2 and frames[0] == b"" and frames[1] == END_OF_REPLAY:
         return None
     if len(frames) == 3:
-        return decode_message(frames)
+        return decode_message(frames, raw_tokens)
     if len(frames) == 2:
-        return EventMessage("", decode_seq(frames[0]), decode_payload(frames[1]))
+        return EventMessage("", decode_seq(frames[0]), decode_payload(frames[1], raw_tokens))
     raise MalformedFrame(f"replay reply with {len(frames)} frames")
 
 
@@ -189,14 +237,15 @@ _VLLM_FIELDS: dict[type, tuple[str, ...]] = {
     BlockRemoved: ("block_hashes", "medium", "group_idx"),
     AllBlocksCleared: (),
 }
+_VLLM_FIELDS[RawBlockStored] = _VLLM_FIELDS[BlockStored]
 
 
 def vllm_event_map(event: KvEvent) -> dict[str, Any]:
     """An event as vLLM frames it: ``type`` first, then its fields in vLLM's order."""
-    out: dict[str, Any] = {"type": type(event).__name__}
+    out: dict[str, Any] = {"type": type(event).__struct_config__.tag}
     for name in _VLLM_FIELDS[type(event)]:
         out[name] = getattr(event, name)
-    if isinstance(event, BlockStored) and not isinstance(event.token_ids, list):
+    if isinstance(event, BlockStored) and not isinstance(event.token_ids, list | msgspec.Raw):
         out["token_ids"] = list(event.token_ids)  # in-process producers may hold an array('I')
     return out
 

@@ -18,6 +18,8 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+from msgspec import Raw
+
 from router.events.codec import (
     AllBlocksCleared,
     BlockRemoved,
@@ -25,7 +27,9 @@ from router.events.codec import (
     EventBatch,
     KvEvent,
     MalformedFrame,
+    RawBlockStored,
     medium_of,
+    token_ids_of,
 )
 from router.events.rechunk import DEFAULT_MAX_PAGES, Rechunker, can_rechunk
 from router.index import BlockEntry, KvIndex, Medium
@@ -312,11 +316,12 @@ class IndexFeeder:
         try:  # event costs as much as a one-block event's own work)
             for event in batch.events:
                 cls = type(event)
-                if (cls is BlockStored or cls is BlockRemoved) and len(event.block_hashes) <= SLICE_BLOCKS:
+                if (cls is RawBlockStored or cls is BlockRemoved or cls is BlockStored) and \
+                        len(event.block_hashes) <= SLICE_BLOCKS:
                     # the common case, without the generator of slices: its cost per event is felt at the
                     # few blocks a vLLM event carries
                     try:
-                        if cls is BlockStored:
+                        if cls is not BlockRemoved:
                             self._stored(f, event)
                             stored += 1
                         else:
@@ -356,7 +361,7 @@ class IndexFeeder:
         except MALFORMED_EVENT:
             f.malformed += 1
             return
-        f.events[cls.__name__] += 1
+        f.events[cls.__struct_config__.tag or cls.__name__] += 1  # (a RawBlockStored counts as a BlockStored)
 
     def _removed(self, f: WorkerFeed, ev: BlockRemoved) -> None:
         medium = medium_of(ev.medium)
@@ -369,14 +374,17 @@ class IndexFeeder:
 
     def _stored(self, f: WorkerFeed, ev: BlockStored) -> None:
         n = len(ev.block_hashes)
-        if ev.block_size <= 0 or len(ev.token_ids) != n * ev.block_size:
+        tokens = ev.token_ids
+        if type(tokens) is Raw:  # (the router's own decode: RawBlockStored)
+            tokens = token_ids_of(tokens)
+        if ev.block_size <= 0 or len(tokens) != n * ev.block_size:
             raise MalformedFrame("token_ids do not fill block_hashes x block_size")
         medium = medium_of(ev.medium)
         if self.block_size is not None and ev.block_size != self.block_size:
             if self.rechunk and can_rechunk(ev.block_size, self.block_size):
                 if f.rechunk is None:
                     f.rechunk = Rechunker(self.index, f.worker_id, self.block_size, self.rechunk_max_pages)
-                f.orphan_blocks += f.rechunk.store(ev, medium)
+                f.orphan_blocks += f.rechunk.store(ev, tokens, medium)
                 return
             f.block_size_mismatch += n
             return
@@ -384,7 +392,7 @@ class IndexFeeder:
         if (extras is None and not (ev.lora_name or ev.cache_salt)) or (
                 extras is not None and len(extras) == n and not any(extras)):  # (vLLM: one None per block)
             # no extra keys: the parent, the keys and the store in one call (compiled for the dict index)
-            if not self.index.store_chain(f.worker_id, ev.block_hashes, ev.token_ids, ev.block_size,
+            if not self.index.store_chain(f.worker_id, ev.block_hashes, tokens, ev.block_size,
                                           ev.parent_block_hash, medium):
                 f.orphan_blocks += n
             return
@@ -400,7 +408,7 @@ class IndexFeeder:
             extras = request_extras(n, ev.lora_name, ev.cache_salt if ev.parent_block_hash is None else None)
         elif len(extras) != n:
             raise MalformedFrame("extra_keys length differs from block_hashes")
-        keys = chain_keys(ev.token_ids, ev.block_size, parent, extras)
+        keys = chain_keys(tokens, ev.block_size, parent, extras)
         self.index.store(f.worker_id, ev.block_hashes, keys, medium)
 
     # ---- status ------------------------------------------------------------------------------
@@ -435,13 +443,14 @@ def _slices(event: BlockStored | BlockRemoved | AllBlocksCleared, size: int) -> 
         return
     bs = event.block_size
     extras = event.extra_keys
-    if bs <= 0 or len(event.token_ids) != n * bs or (extras is not None and len(extras) != n):
+    tokens = token_ids_of(event.token_ids)
+    if bs <= 0 or len(tokens) != n * bs or (extras is not None and len(extras) != n):
         yield event
         return
     for i in range(0, n, size):
         j = min(n, i + size)
         yield BlockStored(
-            hashes[i:j], event.parent_block_hash if i == 0 else hashes[i - 1], event.token_ids[i * bs : j * bs],
+            hashes[i:j], event.parent_block_hash if i == 0 else hashes[i - 1], tokens[i * bs : j * bs],
             bs, event.lora_id, event.medium, event.lora_name, None if extras is None else extras[i:j],
             event.group_idx, event.kv_cache_spec_kind, event.cache_salt if i == 0 else None)
 

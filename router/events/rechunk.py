@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from router.events.codec import BlockStored, MalformedFrame
 from router.index import KvIndex, Medium
@@ -99,8 +99,9 @@ class Rechunker:
         self.dropped_pages = 0  # pages forgotten to stay within max_pages
 
     # ---- events ------------------------------------------------------------------------------
-    def store(self, ev: BlockStored, medium: Medium) -> int:
-        """Apply one ``BlockStored`` of pages of ``ev.block_size`` tokens; returns how many were orphans.
+    def store(self, ev: BlockStored, token_ids: Sequence[int], medium: Medium) -> int:
+        """Apply one ``BlockStored`` of pages of ``ev.block_size`` tokens, ``token_ids`` its token ids (read by
+        the feed: ``codec.token_ids_of``); returns how many were orphans.
 
         The event is checked whole before anything changes (a malformed one raises and leaves no trace):
         token ids must fit uint32 and extra keys must hash, as ``chain_keys`` needs them when a block fills.
@@ -110,7 +111,7 @@ class Rechunker:
             raise ValueError(f"page size {p} does not tile block size {b}")
         hashes = ev.block_hashes
         n = len(hashes)
-        tokens = array("I", ev.token_ids)  # OverflowError / TypeError for ids that cannot be hashed
+        tokens = array("I", token_ids)  # OverflowError / TypeError for ids that cannot be hashed
         if len(tokens) != n * p:
             raise MalformedFrame("token_ids do not fill block_hashes x block_size")
         extras = ev.extra_keys

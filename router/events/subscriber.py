@@ -66,7 +66,7 @@ async def fetch_replay(
         while True:
             frames = await asyncio.wait_for(sock.recv_multipart(), timeout_s)
             try:
-                msg = decode_replay_frames(frames)
+                msg = decode_replay_frames(frames, raw_tokens=True)
             except MalformedFrame as e:
                 log.warning("bad replay frame from %s: %s", endpoint, e)
                 continue
@@ -180,7 +180,7 @@ class KvEventSubscriber:
 
     async def _handle(self, frames: list[bytes], worker_id: str | None) -> None:
         try:
-            msg = decode_message(frames)
+            msg = decode_message(frames, raw_tokens=True)
         except MalformedFrame as e:
             named = worker_id or self._identity_of_broken(frames)
             if named is None:
