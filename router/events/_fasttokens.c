@@ -50,38 +50,40 @@ static PyObject *uint32_array(PyObject *self, PyObject *arg) {
     bytes = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 4));
     if (!bytes)
         goto done;
-    char *o = PyBytes_AS_STRING(bytes);
-    for (uint64_t i = 0; i < n; i++) {
+    uint8_t *o = (uint8_t *)PyBytes_AS_STRING(bytes);
+    for (uint64_t i = 0; i < n; i++, o += 4) {
         if (p == end)
             goto none;
-        uint8_t b = *p++;
-        uint64_t v;
-        int width = 0, is_signed = 0;
+        uint8_t b = *p;
+        uint32_t t;
+        /* the encodings of ids below 2**32 that msgpack writers use, unrolled (vocabularies fit uint16) */
         if (b < 0x80) {
-            v = b;
-        } else {
+            t = b, p += 1;
+        } else if (b == 0xcd && end - p >= 3) {
+            t = (uint32_t)p[1] << 8 | p[2], p += 3;
+        } else if (b == 0xcc && end - p >= 2) {
+            t = p[1], p += 2;
+        } else if (b == 0xce && end - p >= 5) {
+            t = (uint32_t)p[1] << 24 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 8 | p[4], p += 5;
+        } else { /* the rest: wider or signed encodings of a uint32 (any writer may use them), or not one */
+            int width, is_signed = b >= 0xd0;
             switch (b) {
-            case 0xcc: width = 1; break;
-            case 0xcd: width = 2; break;
-            case 0xce: width = 4; break;
             case 0xcf: width = 8; break;
-            case 0xd0: width = 1, is_signed = 1; break;
-            case 0xd1: width = 2, is_signed = 1; break;
-            case 0xd2: width = 4, is_signed = 1; break;
-            case 0xd3: width = 8, is_signed = 1; break;
-            default: goto none; /* a negative fixint, or not an int */
+            case 0xd0: width = 1; break;
+            case 0xd1: width = 2; break;
+            case 0xd2: width = 4; break;
+            case 0xd3: width = 8; break;
+            default: goto none; /* a negative fixint, a truncated id, or not an int */
             }
-            if (end - p < width)
+            if (end - p < 1 + width)
                 goto none;
-            v = be(p, width);
-            p += width;
-            if (is_signed && (v >> (8 * width - 1)) & 1)
-                goto none; /* negative */
+            uint64_t v = be(p + 1, width);
+            p += 1 + width;
+            if ((is_signed && (v >> (8 * width - 1)) & 1) || v > 0xffffffffULL)
+                goto none; /* negative, or wider than a uint32 */
+            t = (uint32_t)v;
         }
-        if (v > 0xffffffffULL)
-            goto none;
-        uint32_t t = (uint32_t)v;
-        memcpy(o + 4 * i, &t, 4);
+        memcpy(o, &t, 4);
     }
     if (p != end)
         goto none;

@@ -263,7 +263,8 @@ class KvIndex:
         # hash with more than one copy, a key two hashes share) take the slow path
         extra, holders, dup_keys = w.extra_copies, self._holders[medium], self._dup_keys
         keep = ~w.bit
-        if _remove_plain is not None and not extra and not dup_keys and isinstance(engine_hashes, Sequence):
+        if _remove_plain is not None and not extra and not dup_keys and (
+                type(engine_hashes) is list or isinstance(engine_hashes, Sequence)):  # (the decoder's: a list)
             unknown, dropped = _remove_plain(held, holders, engine_hashes, keep)
             self._entries -= dropped
             self._held_len[3 * w.slot + medium] = len(held)
