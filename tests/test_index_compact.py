@@ -189,3 +189,43 @@ def test_a_hash_stored_and_removed_over_and_over_reuses_its_tombstone(loops):
         assert index._ehash.slots is tables[0] and index._ktab[Medium.GPU].slots is tables[1]  # (no rebuild)
         assert (index._ehash.used, index._ktab[Medium.GPU].used) == (used[0] + 1, used[1] + 1)
         assert index.match(list(range(1000, 1100))) == {"a": PrefixMatch(gpu=100)} and len(index) == 100
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 3000), st.integers(0, 2**16), st.sampled_from([0, 1, 8, 2**20]), st.integers(0, 40))
+def test_the_compiled_rebuild_places_every_value_as_the_numpy_one_does(n, seed, spread, crowd):
+    """``_Table.rebuild`` with its placement in C (router/index/_fastcompact.c: ``rebuild_slots``) and with the
+    numpy reference: the same slots, also for probe keys crowded onto few homes (``spread`` 0: all on one, so
+    the run passes the padding and both insert in rounds) and for tables past 65,536 homes (two radix passes)."""
+    rng = np.random.default_rng(seed)
+    probes = (rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64) if spread == 2**20
+              else rng.integers(0, spread + 1, n, dtype=np.int64) * np.int64(crowd + 1))
+    values = rng.permutation(max(n, 1))[:n].astype(np.int32)
+    extra = int(rng.integers(0, 2**17)) if seed % 3 == 0 else 5  # some tables of more than 65,536 homes
+    built = compact._Table()
+    built.rebuild(n, extra, probes, values)
+    saved, compact._rebuild_slots = compact._rebuild_slots, None
+    try:
+        reference = compact._Table()
+        reference.rebuild(n, extra, probes, values)
+    finally:
+        compact._rebuild_slots = saved
+    assert saved is not None, "router.index._fastcompact not built"
+    assert built.homes == reference.homes and built.used == reference.used == n
+    assert np.array_equal(built.slots, reference.slots)
+
+
+def test_a_run_past_the_padding_is_placed_in_rounds_either_way():
+    """Probe keys whose homes are all the last slot: the run passes the padding, ``rebuild_slots`` writes
+    nothing and says so, and the table is filled by ``insert`` (wrapping to the start) as without it."""
+    n, extra = 200, 5
+    homes = max(compact._MIN_SLOTS, int((n + extra) / compact._REBUILT_LOAD) + 1)
+    last = next(x for x in range(10**6) if compact._home(x, homes) == homes - 1)
+    probes, values = np.full(n, last, np.int64), np.arange(n, dtype=np.int32)
+    slots = np.full(homes + compact._PAD, compact._EMPTY, np.int32)
+    assert compact._rebuild_slots(slots, probes, values, homes) is False
+    assert (slots == compact._EMPTY).all()
+    built = compact._Table()
+    built.rebuild(n, extra, probes, values)
+    assert sorted(built.slots[built.slots >= 0].tolist()) == list(range(n))
+    assert built.slots[0] >= 0  # wrapped

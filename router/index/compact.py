@@ -47,10 +47,11 @@ try:  # the store and remove loops' common blocks in C (router/index/_fastcompac
     # (_store_blocks, _remove_blocks) do them without it
     from router.index._fastcompact import forget as _forget_buffers
     from router.index._fastcompact import latest_keys as _latest_keys
+    from router.index._fastcompact import rebuild_slots as _rebuild_slots
     from router.index._fastcompact import remove_plain as _remove_plain
     from router.index._fastcompact import store_plain as _store_plain
 except ImportError:
-    _store_plain = _remove_plain = _latest_keys = None
+    _store_plain = _remove_plain = _latest_keys = _rebuild_slots = None
 
     def _forget_buffers() -> None:
         return None
@@ -147,6 +148,10 @@ class _Table:
         _forget_buffers()  # (the compiled loops' open buffers of the slots this replaces: freed with them)
         self.homes, self.slots = homes, np.full(homes + _PAD, _EMPTY, np.int32)
         self.mv, self.used, self.limit = memoryview(self.slots), 0, int(homes * _MAX_LOAD)
+        if _rebuild_slots is not None and _rebuild_slots(self.slots, np.ascontiguousarray(probes, np.int64),
+                                                         np.ascontiguousarray(values, np.int32), homes):
+            self.used = len(values)  # (router/index/_fastcompact.c: the placement below, a radix sort in C)
+            return
         home = _homes(probes, homes)
         order = np.argsort(home, kind="stable")
         home = home[order]
