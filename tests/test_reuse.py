@@ -21,15 +21,21 @@ def test_the_compiled_list_is_built():
     assert reuse.GhostList is not PyGhostList, "router.scheduling._fastghosts was not built: is a C compiler installed?"
 
 
-@settings(max_examples=300, deadline=None)
-@given(window=st.integers(1, 50), ops=OPS)
-def test_compiled_and_reference_lists_agree(window, ops):
+def _both(window: int, ops: list) -> tuple:
+    """The compiled list and the reference after ``ops``, their counts checked equal after each."""
     fast, ref = reuse.GhostList(window), PyGhostList(window)
     for name, arg in ops:
         getattr(fast, name)(arg)
         getattr(ref, name)(arg)
         assert len(fast) == len(ref)
         assert (fast.reused, fast.expired, fast.window_blocks) == (ref.reused, ref.expired, ref.window_blocks)
+    return fast, ref
+
+
+@settings(max_examples=300, deadline=None)
+@given(window=st.integers(1, 50), ops=OPS)
+def test_compiled_and_reference_lists_agree(window, ops):
+    fast, ref = _both(window, ops)
     # the same ghosts: asking for each of the reference's removes one from the compiled list
     for i, k in enumerate(ref.oldest_first()):
         fast.requested([k])
@@ -39,10 +45,7 @@ def test_compiled_and_reference_lists_agree(window, ops):
 @settings(max_examples=100, deadline=None)
 @given(window=st.integers(1, 30), ops=OPS)
 def test_compiled_list_ages_ghosts_out_in_the_reference_order(window, ops):
-    fast, ref = reuse.GhostList(window), PyGhostList(window)
-    for name, arg in ops:
-        getattr(fast, name)(arg)
-        getattr(ref, name)(arg)
+    fast, ref = _both(window, ops)
     expected = ref.oldest_first()
     fast.set_window(1)
     ref.set_window(1)
