@@ -99,7 +99,7 @@ def test_the_index_without_its_compiled_loops_agrees_too(Index, ops, queries):
 def compiled_loops():
     return (residency._store_new, residency._store_chain, residency._remove_plain, residency._gpu_prefix,
             residency._keys_of, compact._store_plain, compact._remove_plain, compact._latest_keys,
-            compact._rebuild_slots)
+            compact._rebuild_slots, compact._compact_rows)
 
 
 @contextmanager
@@ -109,12 +109,13 @@ def python_loops():
     residency._store_new = residency._store_chain = residency._remove_plain = residency._gpu_prefix = None
     residency._keys_of = None
     compact._store_plain = compact._remove_plain = compact._latest_keys = compact._rebuild_slots = None
+    compact._compact_rows = None
     try:
         yield
     finally:
         (residency._store_new, residency._store_chain, residency._remove_plain, residency._gpu_prefix,
          residency._keys_of, compact._store_plain, compact._remove_plain, compact._latest_keys,
-         compact._rebuild_slots) = saved
+         compact._rebuild_slots, compact._compact_rows) = saved
 
 
 def check_against_model(index, ops, queries) -> None:

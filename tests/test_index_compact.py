@@ -229,3 +229,42 @@ def test_a_run_past_the_padding_is_placed_in_rounds_either_way():
     built.rebuild(n, extra, probes, values)
     assert sorted(built.slots[built.slots >= 0].tolist()) == list(range(n))
     assert built.slots[0] >= 0  # wrapped
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**16), st.integers(1, 400), st.booleans())
+def test_the_compiled_compaction_leaves_the_arrays_the_numpy_one_does(seed, events, wide):
+    """``CompactKvIndex._compact`` in place in C (router/index/_fastcompact.c: ``compact_rows``) and with the
+    numpy reference, on the same churned index (stores, removals, CPU copies, a key two workers share; list ids
+    widened to int32 when ``wide``): the same rows, tables and answers after."""
+    def churned() -> KvIndex:
+        rng = random.Random(seed)
+        index, live = KvIndex(capacity=10**6), []
+        if wide:
+            index._widen("_e_list")
+        for e in range(events):
+            w, n = f"w{rng.randrange(3)}", rng.randrange(1, 9)
+            hashes = list(range(e * 16, e * 16 + n))
+            keys = [rng.randrange(2**64) if rng.random() < 0.9 else 7 for _ in hashes]
+            index.store(w, hashes, keys, Medium.CPU if rng.random() < 0.2 else Medium.GPU)
+            live.append((w, hashes))
+            if rng.random() < 0.6 and live:
+                w2, h2 = live.pop(rng.randrange(len(live)))
+                index.remove(w2, h2, Medium.GPU)
+        return index
+
+    built, reference = churned(), churned()
+    built._compact()
+    saved, compact._compact_rows = compact._compact_rows, None
+    try:
+        reference._compact()
+    finally:
+        compact._compact_rows = saved
+    assert saved is not None, "router.index._fastcompact not built"
+    assert (built._rows, built._holes) == (reference._rows, reference._holes)
+    for name in ("_e_hash", "_e_key", "_e_list", "_e_count"):
+        assert np.array_equal(getattr(built, name), getattr(reference, name)), name
+    for a, b in zip((built._ehash, *built._ktab), (reference._ehash, *reference._ktab), strict=True):
+        assert np.array_equal(a.slots, b.slots)
+    for w in ("w0", "w1", "w2"):
+        assert built.export_worker(w) == reference.export_worker(w)

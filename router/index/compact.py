@@ -45,13 +45,14 @@ from router.index.residency import MEDIA, BlockEntry, EngineHash, Medium, Prefix
 
 try:  # the store and remove loops' common blocks in C (router/index/_fastcompact.c); the Python loops
     # (_store_blocks, _remove_blocks) do them without it
+    from router.index._fastcompact import compact_rows as _compact_rows
     from router.index._fastcompact import forget as _forget_buffers
     from router.index._fastcompact import latest_keys as _latest_keys
     from router.index._fastcompact import rebuild_slots as _rebuild_slots
     from router.index._fastcompact import remove_plain as _remove_plain
     from router.index._fastcompact import store_plain as _store_plain
 except ImportError:
-    _store_plain = _remove_plain = _latest_keys = _rebuild_slots = None
+    _store_plain = _remove_plain = _latest_keys = _rebuild_slots = _compact_rows = None
 
     def _forget_buffers() -> None:
         return None
@@ -262,6 +263,11 @@ class CompactKvIndex:
 
     def _compact(self, cap: int | None = None) -> None:
         """Squeeze out the holes (row order, hence LRU order, kept), into arrays of ``cap`` rows if given."""
+        if cap is None and _compact_rows is not None:  # in place, in C (router/index/_fastcompact.c): the same
+            self._rows = _compact_rows(self._e_hash, self._e_key, self._e_list, self._e_count, self._rows,
+                                       [t.slots for t in (self._ehash, *self._ktab)])
+            self._holes = 0
+            return
         rows = self._live_rows()
         remap = np.full(self._rows + 1, -1, np.int64)  # (the last: EMPTY and TOMB codes index -1, -2 ... )
         remap[rows] = np.arange(len(rows))
