@@ -231,6 +231,52 @@ def test_min_score_rank_equals_pick_without_ties(seed):
     assert a.rng.random() == b.rng.random()
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_a_wide_rankings_head_is_picks_first_few(seed):
+    """A wide ranking orders its first ``HEAD`` when made and the rest when read: the head, read first, is
+    ``pick``'s first few, on scores tied exactly, within rounding, near it on either side, at the k-th score's
+    edge, large and infinite; then the whole ranking is ``pick``'s order."""
+    rng = random.Random(seed)
+    n = rng.choice([4 * min_score.HEAD + 1, 100, 300, 1000])
+    low = rng.choice([0.0, 1e-3, 0.5])  # the lowest of the spread-out scores (from 1e-3), or among them
+    pool = [low, low + 1e-12, low + 4e-10, low + 6e-10, low + 1e-8, low + 2e-8, 0.123456789049, 0.12345678905,
+            1e7 + 0.1, float("inf")]
+    share = rng.choice([0.0, 0.05, 0.3])  # of the candidates on the pool's values (the rest spread out)
+    scores = [rng.choice(pool) if rng.random() < share else rng.uniform(1e-3, 3) for _ in range(n)]
+    core, req = random_fleet(seed % 6, n=n)
+    snap = Snapshot(core.state, req, NOW)
+    a, b = MinScore(rng=random.Random(seed)), MinScore(rng=random.Random(seed))
+    ranked = a.rank(snap, np.arange(n), scores)
+    want = b.pick(snap, snap.candidates, scores)
+    assert a.rng.getstate() == b.rng.getstate()  # every draw made at once
+    if share == 0.0:  # spread-out scores: the tail is left for when it is read
+        assert isinstance(ranked, min_score.Ranking) and ranked._full is None
+    assert [ranked[i] for i in range(min_score.HEAD)] == want[: min_score.HEAD]
+    assert ranked[: min_score.HEAD] == want[: min_score.HEAD] and ranked[:3] == want[:3]
+    assert len(ranked) == n and ranked[-1] == want[-1] and ranked[2:50:3] == want[2:50:3]
+    assert list(ranked) == want and ranked == want and ranked[min_score.HEAD + 1] == want[min_score.HEAD + 1]
+
+
+def test_a_ranking_reads_as_the_list_it_stands_for():
+    """``Ranking``: its head without ordering the rest, anything past the head from the whole order (asked for
+    once), equality with the list, a decision's ``as_dict`` a plain list."""
+    asked = []
+
+    def complete():
+        asked.append(1)
+        return ["a", "b", "c", "d", "e"]
+
+    r = min_score.Ranking(["a", "b"], 5, complete)
+    assert (r[0], r[1], r[:2], r[0:1], len(r)) == ("a", "b", ["a", "b"], ["a"], 5) and not asked
+    assert r[-1] == "e" and r[1:4] == ["b", "c", "d"] and r[::2] == ["a", "c", "e"] and r[:9] == list("abcde")
+    assert r == list("abcde") and r != list("abcd") and r != tuple("abcde") and "c" in r and asked == [1]
+    with pytest.raises(IndexError):
+        r[5]
+    from router.scheduling.types import Decision
+    d = Decision("precise", ranked=r)
+    assert d.chosen == "a" and d.as_dict()["ranked"] == list("abcde")
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_min_score_order_keeps_the_candidates_order_among_equal_draws(seed, monkeypatch):
     """Draws that repeat (the ranking's quicksort of them would put equal ones in any order): still by score,

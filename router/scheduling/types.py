@@ -108,7 +108,8 @@ class DecisionReports(Protocol):
 @dataclass(slots=True)
 class Decision:
     policy: str
-    ranked: list[str] = field(default_factory=list)  # chosen first, then fallbacks
+    # chosen first, then fallbacks (a list, or a picker's ``Sequence`` that orders its tail when read)
+    ranked: Sequence[str] = field(default_factory=list)
     outcome: str = "routed"  # routed | shed | no_endpoint
     reason: str = ""
     retry_after_s: float = 1.0
@@ -155,7 +156,7 @@ class Decision:
         return any(c.prefix_credit for c in self.candidates if not c.filtered)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy, "outcome": self.outcome, "reason": self.reason, "ranked": self.ranked,
+        return {"policy": self.policy, "outcome": self.outcome, "reason": self.reason, "ranked": list(self.ranked),
                 "uncached_tokens": self.uncached_tokens, "predicted_ttft_s": self.predicted_ttft_s,
                 "disagg": self.disagg,
                 "candidates": [c.as_dict() for c in self.candidates]}

@@ -88,8 +88,9 @@ class Picker(Plugin):
         """The candidates' worker ids, best first (the rest are the fallbacks, in order)."""
         raise NotImplementedError
 
-    def rank(self, snap: Snapshot, slots: np.ndarray, scores: Sequence[float]) -> list[str] | None:
-        """The vector form: ``pick`` of the candidates at ``slots`` (``scores`` in their order); None: none."""
+    def rank(self, snap: Snapshot, slots: np.ndarray, scores: Sequence[float]) -> Sequence[str] | None:
+        """The vector form: ``pick`` of the candidates at ``slots`` (``scores`` in their order), as a list or a
+        sequence equal to it (one that orders its tail when read); None: none."""
         return None
 
 

@@ -1,11 +1,15 @@
 """``min-score``: lowest total cost first; equal totals (to 1e-9) in seeded random order, so identical
-workers share the load."""
+workers share the load.
+
+A wide fleet's ranking is mostly unread: the router reads its first few (the pick and the fallbacks a proxy
+retries or Envoy is handed), so ``rank`` orders those exactly and the rest only when something reads them."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import repeat
+from typing import overload
 
 import numpy as np
 
@@ -14,6 +18,9 @@ from router.scheduling.snapshot import Candidate, Snapshot
 
 # up to this many candidates ``rank`` sorts them as ``pick`` does; more: ``min_score_order`` (the same order)
 SORTED_UP_TO = 32
+# a wide ranking's first this many are ordered when it is made, the rest when read (past a proxy's three attempts
+# and Envoy's pick and two fallbacks by default)
+HEAD = 8
 
 
 class MinScore(Picker):
@@ -24,13 +31,66 @@ class MinScore(Picker):
         order = sorted(zip(cands, scores, strict=True), key=lambda cs: (round(cs[1], 9), rng.random()))
         return [c.worker_id for c, _ in order]
 
-    def rank(self, snap: Snapshot, slots: np.ndarray, scores: Sequence[float]) -> list[str]:
+    def rank(self, snap: Snapshot, slots: np.ndarray, scores: Sequence[float]) -> Sequence[str]:
         if len(slots) <= SORTED_UP_TO:  # a few: Python's sort, as ``pick``, costs less than the arrays
             ids = list(map(snap.ids.__getitem__, slots.tolist()))
             rng = self.rng
             order = sorted(zip(ids, scores, strict=True), key=lambda cs: (round(cs[1], 9), rng.random()))
             return [w for w, _ in order]
-        return snap.cols.id_array[slots[min_score_order(scores, self.rng)]].tolist()
+        s = scores if isinstance(scores, np.ndarray) else np.fromiter(scores, dtype=float, count=len(scores))
+        draws = draws_of(self.rng, len(s))  # all of them now: the generator moves as ``pick`` moves it
+        ids = snap.cols.id_array[slots]
+        head = head_order(s, draws, HEAD)
+        if head is None:
+            return ids[ordered(s, draws)].tolist()
+        return Ranking(ids[head].tolist(), len(s), lambda: ids[ordered(s, draws)].tolist())
+
+
+class Ranking(Sequence[str]):
+    """A ranking whose head is known and whose rest is ordered on first read: ``head`` are its first worker ids,
+    ``complete()`` gives all ``size`` of them in the same order (the head first). Equal to the list it reads as."""
+
+    __slots__ = ("_complete", "_full", "_head", "_size")
+
+    def __init__(self, head: list[str], size: int, complete: Callable[[], list[str]]) -> None:
+        self._head, self._size, self._complete, self._full = head, size, complete, None
+
+    def _all(self) -> list[str]:
+        if self._full is None:
+            self._full = self._complete()
+        return self._full
+
+    def __len__(self) -> int:
+        return self._size
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        head = self._head
+        if isinstance(i, slice):
+            if i.step in (None, 1) and (i.start or 0) >= 0 and i.stop is not None and 0 <= i.stop <= len(head):
+                return head[i]
+            return self._all()[i]
+        if 0 <= i < len(head):
+            return head[i]
+        return self._all()[i]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Ranking):
+            other = other._all()
+        return isinstance(other, list) and self._all() == other
+
+    __hash__ = None  # type: ignore[assignment]  # (a list's equal: unhashable as a list is)
+
+    def __repr__(self) -> str:
+        return repr(self._all())
 
 
 _DRAWS_BY_BITS = 256  # from this many draws, one getrandbits call costs less than a random() call each
@@ -52,13 +112,33 @@ def draws_of(rng: random.Random, n: int) -> np.ndarray:
 
 def min_score_order(scores: Sequence[float], rng: random.Random) -> np.ndarray:
     """``pick``'s order as positions: by ``round(score, 9)``, ties by one ``rng.random()`` each, drawn in the
-    candidates' order (so the generator moves exactly as ``pick`` moves it). Sorted by score, then draw, first:
-    that is the order wherever scores that round alike are equal. Python's ``round`` is asked only of
-    neighbours within 1e-8, the only ones it could merge, and only if there are some are the groups it makes
-    sorted again."""
+    candidates' order (so the generator moves exactly as ``pick`` moves it)."""
     n = len(scores)
     draws = draws_of(rng, n)
-    s = scores if isinstance(scores, np.ndarray) else np.fromiter(scores, dtype=float, count=n)
+    return ordered(scores if isinstance(scores, np.ndarray) else np.fromiter(scores, dtype=float, count=n), draws)
+
+
+def head_order(s: np.ndarray, draws: np.ndarray, k: int) -> np.ndarray | None:
+    """The first ``k`` positions of ``ordered(s, draws)``, from the candidates that could be among them: those
+    within rounding of the k-th lowest score (a superset of every one whose rounded score is at most its
+    rounded one, which is where the first k are). None where that saves nothing (few candidates, or as many
+    near the k-th as to be most of them) or where a score is NaN or -inf."""
+    n = len(s)
+    if n <= 4 * k or not (s > -np.inf).all():  # NaN or -inf: no threshold to select by
+        return None
+    kth = float(np.partition(s, k - 1)[k - 1])
+    near = np.flatnonzero(s <= kth + max(1e-8, abs(kth) * 1e-12))  # kth inf: every one
+    if 4 * len(near) > n:
+        return None
+    return near[ordered(s[near], draws[near])[:k]]
+
+
+def ordered(s: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """Positions by ``round(score, 9)``, then draw, then position (Python's ``sorted`` of ``pick``). Sorted by
+    score, then draw, first: that is the order wherever scores that round alike are equal. Python's ``round``
+    is asked only of neighbours within 1e-8, the only ones it could merge, and only if there are some are the
+    groups it makes sorted again."""
+    n = len(s)
     # by score, then draw, then position (``sorted`` is stable): a stable sort by score of the candidates in draw
     # order, which costs half a ``lexsort((draws, s))`` (a quicksort of the draws, then a sort of scores that
     # are mostly tied or in runs); draws that are equal (about one decision in 10^10 at a thousand
