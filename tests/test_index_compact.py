@@ -112,6 +112,42 @@ def test_memory_per_block_is_flat_arrays():
     assert index.nbytes / len(index) <= 40
 
 
+@pytest.mark.parametrize("loops", ["compiled", "python"])
+def test_steady_eviction_keeps_memory_flat_and_rebuilds_no_table(loops):
+    """Engines evicting as fast as they store (16 workers, 16-block events in, each worker's oldest 16 out): the
+    tables are never rebuilt (deletions leave no tombstones) and the rows stay within the holes' budget, so a
+    resident block costs what it cost when the index filled, and still under 40 B."""
+    rng = random.Random(5)
+    with python_loops() if loops == "python" else nullcontext():
+        index = KvIndex(capacity=1 << 30)
+        held: dict[str, list[list[int]]] = {f"w{j}": [] for j in range(16)}
+        h = 0
+
+        def store(w: str) -> None:
+            nonlocal h
+            hashes = list(range(h, h + 16))
+            h += 16
+            index.store(w, hashes, [rng.getrandbits(64) for _ in hashes], Medium.GPU)
+            held[w].append(hashes)
+
+        for w in held:
+            for _ in range(125):  # 2,000 blocks each
+                store(w)
+        filled = index.nbytes / len(index)
+        tables = [t.slots for t in (index._ehash, *index._ktab)]
+        worst = 0.0
+        for _ in range(3):  # every block replaced three times over
+            for _ in range(125):
+                for w in held:
+                    store(w)
+                    index.remove(w, held[w].pop(0), Medium.GPU)
+                    worst = max(worst, index.nbytes / len(index))
+        assert all(t.slots is s for t, s in zip((index._ehash, *index._ktab), tables, strict=True))
+        assert len(index) == 16 * 2000 and index._rows <= len(index._e_hash) <= 1.29 * len(index)
+        assert worst <= 40.0 and worst <= filled * 1.15, (filled, worst)
+        assert index.match(index.keys_of("w3", held["w3"][0])) == {"w3": PrefixMatch(gpu=16)}
+
+
 def test_numpy_arrays_store_as_their_python_ints_would():
     """A batched caller (the simulator) may hand arrays: uint64 above 2^63 comes back unsigned, int64 signed."""
     a, b = KvIndex(), KvIndex()
@@ -143,7 +179,7 @@ def test_a_store_with_a_key_that_is_not_a_uint64_fails_whole(bad):
 def test_the_compiled_loops_never_write_through_arrays_the_index_replaced(monkeypatch):
     """The compiled loops keep their arrays' buffers open between calls, found again by the arrays' identity:
     with the index's releases of them turned off, events that grow, compact and rebuild every array still leave
-    exactly the index the Python loops leave."""
+    exactly the index the Python loops leave, to the tables' slots."""
     monkeypatch.setattr(compact, "_forget_buffers", lambda: None)
     rng = random.Random(3)
     ops, live = [], {w: [] for w in ("a", "b", "c")}
@@ -166,7 +202,8 @@ def test_the_compiled_loops_never_write_through_arrays_the_index_replaced(monkey
                 index.store(w, hashes, keys, m)
             else:
                 index.remove(w, hashes, m)
-        return {w: index.export_worker(w) for w in "abc"}, len(index)
+        tables = [t.slots.tolist() for t in (index._ehash, *index._ktab)]  # (deletions move entries: alike)
+        return {w: index.export_worker(w) for w in "abc"}, len(index), tables
 
     fast = run()
     with python_loops():
@@ -174,21 +211,53 @@ def test_the_compiled_loops_never_write_through_arrays_the_index_replaced(monkey
 
 
 @pytest.mark.parametrize("loops", ["compiled", "python"])
-def test_a_hash_stored_and_removed_over_and_over_reuses_its_tombstone(loops):
-    """A hot block evicted and recomputed again and again: each new entry takes the tombstone its probe passed,
-    so the tables neither fill with tombstones (no rebuild) nor lengthen the probe (it used to grow by a slot a
-    cycle until the next rebuild)."""
+def test_a_hash_stored_and_removed_over_and_over_leaves_the_tables_as_they_were(loops):
+    """A hot block evicted and recomputed again and again: a deletion leaves no tombstone, so the tables come
+    back to the very slots they had (no rebuild, no longer probes, their use counting live entries only)."""
     with python_loops() if loops == "python" else nullcontext():
         index = KvIndex()
         index.store("a", list(range(100)), list(range(1000, 1100)), Medium.GPU)
         tables = (index._ehash.slots, index._ktab[Medium.GPU].slots)
-        used = (index._ehash.used, index._ktab[Medium.GPU].used)
+        before = (tables[0].copy(), tables[1].copy())
         for _ in range(3 * len(tables[0])):
             index.store("a", [7777], [5555], Medium.GPU)
             index.remove("a", [7777], Medium.GPU)
         assert index._ehash.slots is tables[0] and index._ktab[Medium.GPU].slots is tables[1]  # (no rebuild)
-        assert (index._ehash.used, index._ktab[Medium.GPU].used) == (used[0] + 1, used[1] + 1)
+        assert np.array_equal(tables[0], before[0]) and np.array_equal(tables[1], before[1])
+        assert (index._ehash.used, index._ktab[Medium.GPU].used) == (100, 100)
         assert index.match(list(range(1000, 1100))) == {"a": PrefixMatch(gpu=100)} and len(index) == 100
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**32), st.integers(1, 300), st.sampled_from([3, 17, 64, 1000]))
+def test_a_deletion_keeps_every_other_entry_reachable_from_its_home(seed, n, spread):
+    """``_Table.vacate`` (deletion without tombstones) on crowded tables, runs wrapping past the end included:
+    after any sequence of deletions every remaining value is found by probing from its home with no empty slot
+    on the way, the deleted ones are gone, and ``used`` counts what is left."""
+    rng = np.random.default_rng(seed)
+    t = compact._Table(homes=max(8, int(n / 0.7) + 1))
+    size = len(t.slots)
+    home = {v: int(rng.integers(0, spread)) % t.homes if spread < 1000 else int(rng.integers(0, t.homes))
+            for v in range(n)}
+    if rng.random() < 0.5:  # some runs that wrap: homes at the table's end
+        home = {v: (t.homes - 1 - h % 3) if v % 2 else h for v, h in home.items()}
+    for v in range(n):  # insert by linear probing from each home
+        p = home[v]
+        while t.slots[p] != compact._EMPTY:
+            p = (p + 1) % size
+        t.slots[p] = v
+        t.used += 1
+    live = set(range(n))
+    for v in rng.permutation(n)[: int(rng.integers(0, n + 1))].tolist():
+        t.vacate(int(np.flatnonzero(t.slots == v)[0]), home.__getitem__)
+        live.discard(v)
+        assert t.used == len(live)
+    assert set(t.slots[t.slots >= 0].tolist()) == live
+    for v in live:
+        p = home[v]
+        while t.slots[p] != v:
+            assert t.slots[p] != compact._EMPTY, f"{v} unreachable from its home {home[v]}"
+            p = (p + 1) % size
 
 
 @settings(max_examples=200, deadline=None)

@@ -9,7 +9,7 @@
  * this layout's ingest a third of the dict layout's. The tables, rows and counters are exactly what the Python
  * loop leaves (tests/test_index.py and tests/test_index_compact.py run both against the brute-force model).
  * The arrays are the index's own (``_Table.slots``, the entry rows, the shared keys); ``CompactKvIndex.store``
- * reserves room for every block first, and a removal only writes holes, so nothing here grows. Their buffers
+ * reserves room for every block first, and a removal only empties rows and slots, so nothing here grows. Their buffers
  * stay open between calls (``cached_tables``) for as long as the index keeps the same arrays.
  */
 #define PY_SSIZE_T_CLEAN
@@ -18,7 +18,6 @@
 #include <string.h>
 
 #define EMPTY (-1)
-#define TOMB (-2)
 #define NO_LIST (-1)
 #define M32 0xFFFFFFFFULL
 #define MULT32 0x9E3779B1ULL
@@ -172,48 +171,69 @@ static int plain_hash(PyObject *h, int64_t *v) {
 }
 
 /* ``_efind`` of hash ``v`` in the list: the entry row holding it, or EMPTY (``*pos``: that slot, or the first
- * empty one; ``*tomb``, unless NULL: the first tombstone passed on the way, -1 if none, where a new entry
- * goes). */
-static int64_t find_entry(const Tables *t, int64_t v, Py_ssize_t *pos, Py_ssize_t *tomb) {
+ * empty one, where a new entry goes). */
+static int64_t find_entry(const Tables *t, int64_t v, Py_ssize_t *pos) {
     Py_ssize_t p = home(v ^ t->spread, t->ehome);
-    if (tomb != NULL)
-        *tomb = -1;
     for (;;) {
         int64_t r = get(&t->et, p);
         if (r == EMPTY || (r >= 0 && get(&t->mh, r) == v && get(&t->ml, r) == t->lst)) {
             *pos = p;
             return r;
         }
-        if (tomb != NULL && r == TOMB && *tomb < 0)
-            *tomb = p;
         if (++p == t->et.len)
             p = 0;
     }
 }
 
 /* ``_kfind`` of key ``k``: the entry row holding it alone, -3 - its shared row, or EMPTY (``*pos``: that slot,
- * or the first empty one; ``*tomb`` as in ``find_entry``). */
-static int64_t find_key(const Tables *t, int64_t k, Py_ssize_t *pos, Py_ssize_t *tomb) {
+ * or the first empty one). */
+static int64_t find_key(const Tables *t, int64_t k, Py_ssize_t *pos) {
     Py_ssize_t p = home(k, t->khome);
-    if (tomb != NULL)
-        *tomb = -1;
     for (;;) {
         int64_t val = get(&t->kt, p);
         if (val == EMPTY || (val >= 0 && get(&t->mk, val) == k) || (val <= -3 && get(&t->sk, -3 - val) == k)) {
             *pos = p;
             return val;
         }
-        if (tomb != NULL && val == TOMB && *tomb < 0)
-            *tomb = p;
         if (++p == t->kt.len)
             p = 0;
     }
 }
 
+/* The home of entry row ``r`` in the hash table (``_entry_home``: its list's spread over its engine hash). */
+static inline Py_ssize_t entry_home(const Tables *t, int64_t r) {
+    return home(get(&t->mh, r) ^ (int64_t)((uint64_t)get(&t->ml, r) * LIST_MULT), t->ehome);
+}
+
+/* The home of a key-table value (``_key_homes``): an entry row's key's, or a shared row's. */
+static inline Py_ssize_t key_home(const Tables *t, int64_t val) {
+    return home(val >= 0 ? get(&t->mk, val) : get(&t->sk, -3 - val), t->khome);
+}
+
+/* ``_Table.vacate`` of slot ``pos`` of the hash table (``keys`` 0) or the key table (1): emptied without a
+ * tombstone, each later entry of its run moved back into the hole unless its home lies cyclically after it. */
+static void vacate(const Tables *t, int keys, Py_ssize_t pos) {
+    const Column *c = keys ? &t->kt : &t->et;
+    Py_ssize_t size = c->len, hole = pos, j = pos;
+    for (;;) {
+        if (++j == size)
+            j = 0;
+        int64_t val = get(c, j);
+        if (val == EMPTY)
+            break;
+        Py_ssize_t h = keys ? key_home(t, val) : entry_home(t, val);
+        if ((j - h + size) % size >= (j - hole + size) % size) { /* its home is at or before the hole */
+            put((Column *)c, hole, val);
+            hole = j;
+        }
+    }
+    put((Column *)c, hole, EMPTY);
+}
+
 /* store_plain(etab, ktab, e_hash, e_key, e_list, e_count, s_key, ehome, khome, spread, lst, hashes, keys,
- *             start, row) -> (stop, row, added, wide_keys, hash_slots_used, key_slots_used)
+ *             start, row) -> (stop, row, added, wide_keys)
  * From block ``start``: each block a new entry row (``row`` on), in the hash table and the medium's key table
- * at the first tombstone or else the empty slot its probe reaches (``*_slots_used``: empty slots taken).
+ * at the empty slot its probe reaches (each table's use grows by ``added``).
  * ``stop``: the first block it did not take (len(hashes) if it took them all; -1, having taken none, when a key
  * is not a uint64); ``wide_keys``: a key above 2^63 was seen (the index then gives keys back unsigned). */
 static PyObject *store_plain(PyObject *self, PyObject *args) {
@@ -246,11 +266,11 @@ static PyObject *store_plain(PyObject *self, PyObject *args) {
         if (!PyLong_CheckExact(k_obj) || (PyLong_AsUnsignedLongLong(k_obj) == (unsigned long long)-1 &&
                                           PyErr_Occurred())) {
             PyErr_Clear();
-            result = Py_BuildValue("nnninn", (Py_ssize_t)-1, row, (Py_ssize_t)0, 0, (Py_ssize_t)0, (Py_ssize_t)0);
+            result = Py_BuildValue("nnni", (Py_ssize_t)-1, row, (Py_ssize_t)0, 0);
             goto done;
         }
     }
-    Py_ssize_t i = start, added = 0, e_new = 0, k_new = 0;
+    Py_ssize_t i = start, added = 0;
     int wide = 0;
     for (; i < n; i++) {
         PyObject *k_obj = PySequence_Fast_GET_ITEM(keys, i);
@@ -265,10 +285,10 @@ static PyObject *store_plain(PyObject *self, PyObject *args) {
             break;
         }
         int64_t k = (int64_t)ku;
-        Py_ssize_t pos, kpos, etomb, ktomb;
-        if (find_entry(&t, v, &pos, &etomb) != EMPTY)
+        Py_ssize_t pos, kpos;
+        if (find_entry(&t, v, &pos) != EMPTY)
             break; /* stored again: the Python loop counts the copy */
-        if (find_key(&t, k, &kpos, &ktomb) != EMPTY)
+        if (find_key(&t, k, &kpos) != EMPTY)
             break; /* others hold it: the Python loop makes or extends its shared row */
         if (row >= t.mh.len) {
             PyErr_SetString(PyExc_RuntimeError, "no room reserved for the entry rows");
@@ -278,19 +298,14 @@ static PyObject *store_plain(PyObject *self, PyObject *args) {
         put(&t.mk, row, k);
         put(&t.ml, row, t.lst);
         put(&t.mc, row, 1);
-        /* a new entry takes the first tombstone its probe passed (a hash stored and removed over and over, as a
-         * hot block evicted and recomputed is, would otherwise lengthen its probe by a slot each time until the
-         * table's rebuild); only an empty slot taken adds to the table's use */
-        put(&t.et, etomb >= 0 ? etomb : pos, row);
-        put(&t.kt, ktomb >= 0 ? ktomb : kpos, row);
-        e_new += etomb < 0;
-        k_new += ktomb < 0;
+        put(&t.et, pos, row);
+        put(&t.kt, kpos, row);
         row++;
         added++;
         if (ku >> 63)
             wide = 1;
     }
-    result = Py_BuildValue("nnninn", i, row, added, wide, e_new, k_new);
+    result = Py_BuildValue("nnni", i, row, added, wide);
 done:
     Py_XDECREF(hashes);
     Py_XDECREF(keys);
@@ -300,7 +315,7 @@ done:
 /* remove_plain(etab, ktab, e_hash, e_key, e_list, e_count, s_key, ehome, khome, spread, lst, hashes, start,
  *              originals) -> (stop, unknown, dropped)
  * From block ``start``: a hash the list does not hold counts as unknown; one stored more than once loses a
- * copy; one whose key this entry alone holds (no shared row) leaves its row and both table slots as holes.
+ * copy; one whose key this entry alone holds (no shared row) leaves its row a hole and both table slots empty.
  * ``stop``: the first block it did not take (a hash of another kind, a key in a shared row, or any removal
  * while ``originals`` is set: non-int hashes are counted in a dict). */
 static PyObject *remove_plain(PyObject *self, PyObject *args) {
@@ -322,7 +337,7 @@ static PyObject *remove_plain(PyObject *self, PyObject *args) {
         if (!plain_hash(PySequence_Fast_GET_ITEM(hashes, i), &v))
             break;
         Py_ssize_t pos, kpos;
-        int64_t r = find_entry(&t, v, &pos, NULL);
+        int64_t r = find_entry(&t, v, &pos);
         if (r < 0) {
             unknown++;
             continue;
@@ -332,10 +347,10 @@ static PyObject *remove_plain(PyObject *self, PyObject *args) {
             put(&t.mc, r, count - 1);
             continue;
         }
-        if (find_key(&t, get(&t.mk, r), &kpos, NULL) < 0 || originals)
+        if (find_key(&t, get(&t.mk, r), &kpos) < 0 || originals)
             break; /* a shared row (or a non-int hash's count): the Python loop */
-        put(&t.et, pos, TOMB);
-        put(&t.kt, kpos, TOMB);
+        vacate(&t, 0, pos); /* (before the row's list is cleared: the moved entries' homes are read from theirs) */
+        vacate(&t, 1, kpos);
         put(&t.ml, r, NO_LIST);
         dropped++;
     }
@@ -387,7 +402,7 @@ static PyObject *latest_keys(PyObject *self, PyObject *args) {
             t.lst = ids[j];
             t.spread = (int64_t)((uint64_t)ids[j] * LIST_MULT); /* ``_wrap64(lst * _LIST_MULT)`` */
             Py_ssize_t pos;
-            int64_t r = find_entry(&t, v, &pos, NULL);
+            int64_t r = find_entry(&t, v, &pos);
             if (r > best)
                 best = r;
         }
@@ -495,8 +510,8 @@ static void radix_pass(const uint32_t *homes, const uint32_t *in, uint32_t *out,
  * after the previous one's or at its home, whichever is later, into ``slots`` (int32, all EMPTY). False,
  * writing nothing, when a run would pass the end of ``slots`` (the caller then inserts in rounds).
  *
- * Why C: a rebuild is what a table pays for its tombstones and its growth, about 0.4 of its entries' inserts
- * apart; numpy's stable argsort took 60-145 ns an entry (a 20M-block index: seconds with the event loop
+ * Why C: a rebuild is what a table pays to grow (0.4 of its entries' inserts apart while it grows; deletions
+ * leave no tombstones to clear); numpy's stable argsort took 60-145 ns an entry (a 20M-block index: seconds with the event loop
  * held), two radix passes over the 32-bit homes take a few. */
 static PyObject *rebuild_slots(PyObject *self, PyObject *args) {
     PyObject *slots_o, *probes_o, *values_o;

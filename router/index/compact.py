@@ -37,7 +37,7 @@ the last one for the hash, and could leave the other's holder bit behind).
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -61,9 +61,13 @@ _M64 = (1 << 64) - 1
 _I64_MIN, _I64_END, _U64_END = -(1 << 63), 1 << 63, 1 << 64
 _M32, _MULT32 = (1 << 32) - 1, 0x9E3779B1  # Fibonacci hashing: the slot is the high bits of x * MULT
 _LIST_MULT = 0x632BE59BD9B4E019  # spreads the list id over the engine hash
-_EMPTY, _TOMB = -1, -2  # table slot codes; a shared holder row r is stored as -3 - r
-_MAX_LOAD = 0.7  # live + tombstones, as a fraction of the slots, before a table is rebuilt
-_REBUILT_LOAD = 0.5
+_EMPTY = -1  # an empty table slot; a shared holder row r is stored as -3 - r
+_MAX_LOAD = 0.7  # live entries, as a fraction of the slots, before a table is rebuilt larger
+_REBUILT_LOAD = 0.55  # (a table grows 1.27x a rebuild; deletions leave no tombstones, so churn rebuilds none)
+# the entry rows grow by this when full with fewer than an eighth holes (more: compacted in place), so that under
+# steady eviction they stay within 1.13-1.29x the live entries (with 1.25x growth and compaction from a quarter
+# holes they settled at 1.6x: 48 B a block against 36 B insert-only)
+_ROW_GROWTH = 1.125
 _MIN_SLOTS = 64
 _PAD = 64  # slots past the home range (see _Table)
 _NO_LIST = -1  # an entry row's list when the row is a hole
@@ -127,9 +131,9 @@ def _array64(values: Sequence[int]) -> tuple[np.ndarray, bool]:
 
 class _Table:
     """Open addressing with linear probing over int32 slots holding row numbers (the owner knows each row's
-    probe key). Deleted slots become tombstones until the next rebuild; the scalar store loops (Python and C)
-    put a new entry at the first tombstone its probe passed. Keys hash into the first ``homes``
-    slots; a few more follow them, so that a rebuild can place every run of keys without wrapping."""
+    probe key). A deletion leaves no tombstone (``vacate``): under steady eviction a table keeps its size and
+    load, and is rebuilt only to grow. Keys hash into the first ``homes`` slots; a few more follow them, so
+    that a rebuild can place every run of keys without wrapping."""
 
     __slots__ = ("homes", "limit", "mv", "slots", "used")
 
@@ -137,11 +141,31 @@ class _Table:
         self.homes = homes
         self.slots = np.full(homes + _PAD, _EMPTY, np.int32)
         self.mv = memoryview(self.slots)
-        self.used = 0  # live + tombstones
+        self.used = 0  # live entries
         self.limit = int(homes * _MAX_LOAD)
 
     def needs_room(self, extra: int) -> bool:
         return self.used + extra > self.limit
+
+    def vacate(self, pos: int, home_of: Callable[[int], int]) -> None:
+        """Empty slot ``pos`` without a tombstone (deletion for linear probing, Knuth's Algorithm R): each later
+        entry of the run, up to the next empty slot, moves back into the hole unless its home lies cyclically
+        after the hole, so every entry stays reachable from its home with no empty slot on the way.
+        ``home_of``: an entry's home slot, from its value. The reference of ``_fastcompact.c``'s ``vacate``."""
+        mv, size = self.mv, len(self.mv)
+        hole = j = pos
+        while True:
+            j += 1
+            if j == size:
+                j = 0
+            val = mv[j]
+            if val == _EMPTY:
+                break
+            if (j - home_of(val)) % size >= (j - hole) % size:  # its home is at or before the hole
+                mv[hole] = val
+                hole = j
+        mv[hole] = _EMPTY
+        self.used -= 1
 
     def rebuild(self, live: int, extra: int, probes: np.ndarray, values: np.ndarray) -> None:
         """Reinsert ``values`` (their probe keys ``probes``) into a table sized for ``live + extra``."""
@@ -202,6 +226,7 @@ class CompactKvIndex:
         self._ehash = _Table()
         # key -> holders, per medium; shared holder rows: key and a bitmask of worker slots
         self._ktab = [_Table() for _ in MEDIA]
+        self._key_home = [self._key_homes(m) for m in MEDIA]
         self._words = 1  # 64-bit words per holder mask
         self._s_key = [np.zeros(16, np.int64) for _ in MEDIA]
         self._s_mask = [np.zeros((16, 1), _U64) for _ in MEDIA]
@@ -245,10 +270,10 @@ class CompactKvIndex:
         """Room for ``n`` more rows and table slots, so that nothing moves while a batch is applied."""
         if self._rows + n > len(self._e_hash):
             live = self._rows - self._holes
-            if self._holes * 4 >= self._rows and live + n <= len(self._e_hash):
-                self._compact()
+            if self._holes * 8 >= self._rows and live + n <= len(self._e_hash):
+                self._compact()  # an eighth or more are holes: their room is reused
             else:
-                self._compact(max(live + n, int(len(self._e_hash) * 1.25) + 16))
+                self._grow_rows(max(self._rows + n, int(len(self._e_hash) * _ROW_GROWTH) + 16))
         if self._ehash.needs_room(n):
             rows = self._live_rows()
             lists = self._e_list[rows].astype(np.int64)
@@ -261,18 +286,29 @@ class CompactKvIndex:
     def _live_rows(self) -> np.ndarray:
         return np.flatnonzero(self._e_list[: self._rows] >= 0)
 
-    def _compact(self, cap: int | None = None) -> None:
-        """Squeeze out the holes (row order, hence LRU order, kept), into arrays of ``cap`` rows if given."""
-        if cap is None and _compact_rows is not None:  # in place, in C (router/index/_fastcompact.c): the same
+    def _grow_rows(self, cap: int) -> None:
+        """Room for ``cap`` rows, every row (holes too) where it was: the tables stay as they are. Growth keeps
+        the holes (fewer than an eighth): a copy of the rows costs a few ns each, a compaction also renumbers
+        every table slot, so growing by small steps stays cheap and the rows stay close to the live entries."""
+        for name in ("_e_hash", "_e_key", "_e_list", "_e_count"):
+            old = getattr(self, name)
+            new = np.full(cap, _NO_LIST, old.dtype) if name == "_e_list" else np.zeros(cap, old.dtype)
+            new[: self._rows] = old[: self._rows]
+            setattr(self, name, new)
+        self._views()
+
+    def _compact(self) -> None:
+        """Squeeze out the holes in place (row order, hence LRU order, kept)."""
+        if _compact_rows is not None:  # in place, in C (router/index/_fastcompact.c): the same
             self._rows = _compact_rows(self._e_hash, self._e_key, self._e_list, self._e_count, self._rows,
                                        [t.slots for t in (self._ehash, *self._ktab)])
             self._holes = 0
             return
         rows = self._live_rows()
-        remap = np.full(self._rows + 1, -1, np.int64)  # (the last: EMPTY and TOMB codes index -1, -2 ... )
+        remap = np.full(self._rows, -1, np.int64)
         remap[rows] = np.arange(len(rows))
         arrays = (self._e_hash, self._e_key, self._e_list, self._e_count)
-        size = cap or len(self._e_hash)
+        size = len(self._e_hash)
         new = []
         for a in arrays:
             b = np.zeros(size, a.dtype) if a is not self._e_list else np.full(size, _NO_LIST, a.dtype)
@@ -330,6 +366,18 @@ class CompactKvIndex:
             pos += 1
             if pos == size:
                 pos = 0
+
+    def _entry_home(self, row: int) -> int:
+        """The hash-table home of entry ``row`` (what ``vacate`` asks of the entries it may move)."""
+        return _home(_ehash_probe(self._ml[row], self._mh[row]), self._ehash.homes)
+
+    def _key_homes(self, m: int) -> Callable[[int], int]:
+        """The home of a value of medium ``m``'s key table: an entry row's key's, or a shared row's."""
+        t = self._ktab[m]
+
+        def home_of(val: int) -> int:
+            return _home(self._mk[val] if val >= 0 else self._s_kv[m][-3 - val], t.homes)
+        return home_of
 
     # ---- value mapping ---------------------------------------------------------------------
     def _hash_value(self, h: EngineHash, slot: int | None) -> tuple[int, bool]:
@@ -469,10 +517,10 @@ class CompactKvIndex:
         else:  # the common blocks in C; the first that needs more here, then C again from the next
             added, start = 0, 0
             while True:
-                stop, self._rows, plain, wide, hash_slots, key_slots = _store_plain(
-                    *self._tables(m, lst), engine_hashes, keys, start, self._rows)
-                ktab.used += key_slots
-                ehash.used += hash_slots
+                stop, self._rows, plain, wide = _store_plain(*self._tables(m, lst), engine_hashes, keys, start,
+                                                             self._rows)
+                ktab.used += plain  # (each new entry takes a slot in both tables)
+                ehash.used += plain
                 added += plain
                 if wide:
                     self._unsigned_keys = True
@@ -523,19 +571,15 @@ class CompactKvIndex:
         m32, mult, empty = _M32, _MULT32, _EMPTY  # (locals: the loop runs once per block)
         ktab, sk = self._ktab[m], self._s_kv[m]
         rows = self._rows  # (written back before any call that reads it)
-        added = keys_added = hash_slots = 0
-        tomb = _TOMB
+        added = keys_added = 0
         for i in range(n):
             v, other = mapped[i]
             x = v ^ spread
             pos = ((((x ^ (x >> 32)) & m32) * mult) & m32) * ehome >> 32
-            at = -1  # the first tombstone passed: where a new entry goes (see _fastcompact.c's store_plain)
             while True:
                 row = et[pos]
                 if row == empty or (row >= 0 and mh[row] == v and ml[row] == lst):
                     break
-                if row == tomb and at < 0:
-                    at = pos
                 pos += 1
                 if pos == esize:
                     pos = 0
@@ -549,30 +593,20 @@ class CompactKvIndex:
             new = rows
             mh[new], mk[new], ml[new], mc[new] = v, k, lst, 1
             rows = new + 1
-            if at < 0:
-                et[pos] = new
-                hash_slots += 1
-            else:
-                et[at] = new
+            et[pos] = new
             added += 1
             kpos = ((((k ^ (k >> 32)) & m32) * mult) & m32) * khome >> 32
-            at = -1
             while True:
                 val = kt[kpos]
                 if val == empty:
-                    if at < 0:
-                        kt[kpos] = new
-                        keys_added += 1
-                    else:
-                        kt[at] = new
+                    kt[kpos] = new
+                    keys_added += 1
                     break
                 if (val >= 0 and mk[val] == k) or (val <= -3 and sk[-3 - val] == k):
                     self._rows = rows
                     self._hold(m, slot, k, new)  # others hold it too: a shared row
                     sk = self._s_kv[m]  # (the shared rows may have grown)
                     break
-                if val == tomb and at < 0:
-                    at = kpos
                 kpos += 1
                 if kpos == ksize:
                     kpos = 0
@@ -584,7 +618,7 @@ class CompactKvIndex:
                     orig[1] += 1
         self._rows = rows
         ktab.used += keys_added
-        self._ehash.used += hash_slots
+        self._ehash.used += added
         return added
 
     def _store_again(self, row: int, pos: int, m: int) -> None:
@@ -714,6 +748,8 @@ class CompactKvIndex:
                 self._holes += dropped
                 self._list_len[lst] -= dropped
                 self._entries -= dropped
+                self._ehash.used -= dropped
+                self._ktab[m].used -= dropped
             if stop >= n:
                 return unknown
             unknown += self._remove_blocks(slot, medium, hashes[stop : stop + 1])
@@ -730,7 +766,7 @@ class CompactKvIndex:
         m = int(medium)
         kt, sk = self._ktab[m].mv, self._s_kv[m]
         ksize, khome = len(kt), self._ktab[m].homes
-        m32, mult, empty, tomb, no_list = _M32, _MULT32, _EMPTY, _TOMB, _NO_LIST
+        m32, mult, empty, no_list = _M32, _MULT32, _EMPTY, _NO_LIST
         dropped = 0
         for h in engine_hashes:  # _efind inlined, as in ``store``
             v = h if type(h) is int and lo <= h < hi else self._hash_value(h, None)[0]
@@ -760,8 +796,8 @@ class CompactKvIndex:
                 if kpos == ksize:
                     kpos = 0
             if val >= 0 and not self._originals:
-                et[pos] = tomb
-                kt[kpos] = tomb
+                self._ehash.vacate(pos, self._entry_home)
+                self._ktab[m].vacate(kpos, self._key_home[m])
                 ml[row] = no_list
                 dropped += 1
             else:
@@ -777,7 +813,7 @@ class CompactKvIndex:
         lst, v, k = self._ml[row], self._mh[row], self._mk[row]
         if pos is None:
             pos = self._efind(lst, v)[0]
-        self._ehash.mv[pos] = _TOMB
+        self._ehash.vacate(pos, self._entry_home)
         self._ml[row] = _NO_LIST
         self._holes += 1
         self._list_len[lst] -= 1
@@ -792,7 +828,7 @@ class CompactKvIndex:
         kpos, val = self._kfind(m, k)
         t = self._ktab[m]
         if val >= 0:
-            t.mv[kpos] = _TOMB
+            t.vacate(kpos, self._key_home[m])
             return
         dup = (slot, m, k)
         extra = self._dup_keys.get(dup)
@@ -806,7 +842,7 @@ class CompactKvIndex:
         masks, base = self._s_mv[m], (-3 - val) * words
         masks[base + (slot >> 6)] &= ~(1 << (slot & 63))
         if not any(masks[base + j] for j in range(words)):
-            t.mv[kpos] = _TOMB
+            t.vacate(kpos, self._key_home[m])
             self._s_free[m].append(r)
 
     def _evict(self) -> None:
