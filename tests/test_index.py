@@ -99,7 +99,7 @@ def test_the_index_without_its_compiled_loops_agrees_too(Index, ops, queries):
 def compiled_loops():
     return (residency._store_new, residency._store_chain, residency._remove_plain, residency._gpu_prefix,
             residency._keys_of, compact._store_plain, compact._remove_plain, compact._latest_keys,
-            compact._rebuild_slots, compact._compact_rows)
+            compact._rebuild_slots, compact._compact_rows, compact._store_chain)
 
 
 @contextmanager
@@ -109,13 +109,13 @@ def python_loops():
     residency._store_new = residency._store_chain = residency._remove_plain = residency._gpu_prefix = None
     residency._keys_of = None
     compact._store_plain = compact._remove_plain = compact._latest_keys = compact._rebuild_slots = None
-    compact._compact_rows = None
+    compact._compact_rows = compact._store_chain = None
     try:
         yield
     finally:
         (residency._store_new, residency._store_chain, residency._remove_plain, residency._gpu_prefix,
          residency._keys_of, compact._store_plain, compact._remove_plain, compact._latest_keys,
-         compact._rebuild_slots, compact._compact_rows) = saved
+         compact._rebuild_slots, compact._compact_rows, compact._store_chain) = saved
 
 
 def check_against_model(index, ops, queries) -> None:
@@ -424,9 +424,9 @@ chain_event = st.tuples(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(chain_event, max_size=30), st.sampled_from([4, 16, 64]), st.sampled_from(["list", "I", "q"]))
 def test_store_chain_is_key_of_then_chain_keys_then_store(Index, events, block_size, token_kind):
-    """``store_chain`` (the dict layout's one compiled call for a BlockStored, on a list of token ints or a
-    buffer of uint32s; block sizes of 4 and 64 tokens and int64 tokens fall outside it) leaves the index that
-    its parts leave, composed in Python: the same entries, copies, LRU order and orphans."""
+    """``store_chain`` (each layout's one compiled call for a BlockStored, on a list of token ints or a buffer of
+    uint32s; block sizes of 4 and 64 tokens and int64 tokens fall outside it) leaves the index that its parts
+    leave, composed in Python: the same entries, copies, LRU order and orphans."""
     def run(index, fused):
         orphans = []
         for kind, w, hashes, parent, m, seed in events:
@@ -448,11 +448,12 @@ def test_store_chain_is_key_of_then_chain_keys_then_store(Index, events, block_s
         assert fused == run(Index(), True)
 
 
+@LAYOUTS
 @pytest.mark.parametrize("tokens", [[1] * 15 + [1 << 32], [1] * 15 + [-1], [1] * 15 + ["x"]],
                          ids=["past-uint32", "negative", "not-an-int"])
-def test_store_chain_refuses_bad_tokens_before_storing_anything(tokens):
+def test_store_chain_refuses_bad_tokens_before_storing_anything(Index, tokens):
     """As ``chain_keys`` raises on them (the feed counts the event malformed), with nothing stored."""
-    index = KvIndex()
+    index = Index()
     index.store_chain("a", [1], [5] * 16, 16, None, Medium.GPU)
     with pytest.raises((OverflowError, TypeError)):
         index.store_chain("a", [2, 3], [7] * 16 + tokens, 16, 1, Medium.GPU)

@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../_xxh3.h"
+
 #define EMPTY (-1)
 #define NO_LIST (-1)
 #define M32 0xFFFFFFFFULL
@@ -230,6 +232,53 @@ static void vacate(const Tables *t, int keys, Py_ssize_t pos) {
     put((Column *)c, hole, EMPTY);
 }
 
+/* The store loop of ``store_plain`` and ``store_chain``: from block ``i`` of ``hashes`` (a fast sequence of
+ * ``n``), each block a new entry row (``*row`` on) in both tables, its key read from ``keys`` (a fast sequence
+ * of ints) or, when ``kv`` is given, from ``kv``. Returns the first block it did not take (``n``: all), or -2
+ * with an exception set. */
+static Py_ssize_t store_entries(Tables *t, PyObject *hashes, PyObject *keys, const uint64_t *kv, Py_ssize_t i,
+                                Py_ssize_t n, Py_ssize_t *row, Py_ssize_t *added, int *wide) {
+    for (; i < n; i++) {
+        int64_t v;
+        if (!plain_hash(PySequence_Fast_GET_ITEM(hashes, i), &v))
+            break;
+        unsigned long long ku;
+        if (kv != NULL)
+            ku = kv[i];
+        else {
+            PyObject *k_obj = PySequence_Fast_GET_ITEM(keys, i);
+            if (!PyLong_CheckExact(k_obj))
+                break; /* (the first call checked every key: only a caller that changed them gets here) */
+            ku = PyLong_AsUnsignedLongLong(k_obj);
+            if (ku == (unsigned long long)-1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                break;
+            }
+        }
+        int64_t k = (int64_t)ku;
+        Py_ssize_t pos, kpos;
+        if (find_entry(t, v, &pos) != EMPTY)
+            break; /* stored again: the Python loop counts the copy */
+        if (find_key(t, k, &kpos) != EMPTY)
+            break; /* others hold it: the Python loop makes or extends its shared row */
+        if (*row >= t->mh.len) {
+            PyErr_SetString(PyExc_RuntimeError, "no room reserved for the entry rows");
+            return -2;
+        }
+        put(&t->mh, *row, v);
+        put(&t->mk, *row, k);
+        put(&t->ml, *row, t->lst);
+        put(&t->mc, *row, 1);
+        put(&t->et, pos, *row);
+        put(&t->kt, kpos, *row);
+        ++*row;
+        ++*added;
+        if (ku >> 63)
+            *wide = 1;
+    }
+    return i;
+}
+
 /* store_plain(etab, ktab, e_hash, e_key, e_list, e_count, s_key, ehome, khome, spread, lst, hashes, keys,
  *             start, row) -> (stop, row, added, wide_keys)
  * From block ``start``: each block a new entry row (``row`` on), in the hash table and the medium's key table
@@ -270,41 +319,11 @@ static PyObject *store_plain(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    Py_ssize_t i = start, added = 0;
+    Py_ssize_t added = 0;
     int wide = 0;
-    for (; i < n; i++) {
-        PyObject *k_obj = PySequence_Fast_GET_ITEM(keys, i);
-        int64_t v;
-        if (!plain_hash(PySequence_Fast_GET_ITEM(hashes, i), &v))
-            break;
-        if (!PyLong_CheckExact(k_obj))
-            break; /* (the first call checked every key: only a caller that changed them gets here) */
-        unsigned long long ku = PyLong_AsUnsignedLongLong(k_obj);
-        if (ku == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            break;
-        }
-        int64_t k = (int64_t)ku;
-        Py_ssize_t pos, kpos;
-        if (find_entry(&t, v, &pos) != EMPTY)
-            break; /* stored again: the Python loop counts the copy */
-        if (find_key(&t, k, &kpos) != EMPTY)
-            break; /* others hold it: the Python loop makes or extends its shared row */
-        if (row >= t.mh.len) {
-            PyErr_SetString(PyExc_RuntimeError, "no room reserved for the entry rows");
-            goto done;
-        }
-        put(&t.mh, row, v);
-        put(&t.mk, row, k);
-        put(&t.ml, row, t.lst);
-        put(&t.mc, row, 1);
-        put(&t.et, pos, row);
-        put(&t.kt, kpos, row);
-        row++;
-        added++;
-        if (ku >> 63)
-            wide = 1;
-    }
+    Py_ssize_t i = store_entries(&t, hashes, keys, NULL, start, n, &row, &added, &wide);
+    if (i == -2)
+        goto done;
     result = Py_BuildValue("nnni", i, row, added, wide);
 done:
     Py_XDECREF(hashes);
@@ -360,6 +379,37 @@ done:
     return result;
 }
 
+/* The latest entry row holding hash ``v`` in any of the lists ``ids`` (a worker's, one per medium), -1 if none:
+ * ``key_of``'s row. */
+static int64_t latest_row(const Tables *t, const long long *ids, Py_ssize_t n_lists, int64_t v) {
+    Tables one = *t;
+    int64_t best = -1;
+    for (Py_ssize_t j = 0; j < n_lists; j++) {
+        one.lst = ids[j];
+        one.spread = (int64_t)((uint64_t)ids[j] * LIST_MULT); /* ``_wrap64(lst * _LIST_MULT)`` */
+        Py_ssize_t pos;
+        int64_t r = find_entry(&one, v, &pos);
+        if (r > best)
+            best = r;
+    }
+    return best;
+}
+
+/* A tuple of at most three list ids into ``ids``: their count, or -1 with an exception set. */
+static Py_ssize_t list_ids(PyObject *lists, long long *ids) {
+    Py_ssize_t n_lists = PyTuple_GET_SIZE(lists);
+    if (n_lists > 3) {
+        PyErr_SetString(PyExc_ValueError, "at most three lists");
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < n_lists; j++) {
+        ids[j] = PyLong_AsLongLong(PyTuple_GET_ITEM(lists, j));
+        if (ids[j] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return n_lists;
+}
+
 /* latest_keys(etab, ktab, e_hash, e_key, e_list, e_count, s_key, ehome, khome, spread, lst, lists, values,
  *             unsigned)
  *   -> list[int]
@@ -375,15 +425,10 @@ static PyObject *latest_keys(PyObject *self, PyObject *args) {
                           &arrays[5], &arrays[6], &t.ehome, &t.khome, &spread, &lst, &PyTuple_Type, &lists,
                           &values_in, &unsigned_keys))
         return NULL;
-    Py_ssize_t n_lists = PyTuple_GET_SIZE(lists);
     long long ids[3];
-    if (n_lists > 3)
-        return PyErr_Format(PyExc_ValueError, "at most three lists");
-    for (Py_ssize_t j = 0; j < n_lists; j++) {
-        ids[j] = PyLong_AsLongLong(PyTuple_GET_ITEM(lists, j));
-        if (ids[j] == -1 && PyErr_Occurred())
-            return NULL;
-    }
+    Py_ssize_t n_lists = list_ids(lists, ids);
+    if (n_lists < 0)
+        return NULL;
     PyObject *values = PySequence_Fast(values_in, "values must be a sequence");
     if (!values)
         return NULL;
@@ -397,15 +442,7 @@ static PyObject *latest_keys(PyObject *self, PyObject *args) {
             Py_CLEAR(out);
             break;
         }
-        int64_t best = -1;
-        for (Py_ssize_t j = 0; j < n_lists; j++) {
-            t.lst = ids[j];
-            t.spread = (int64_t)((uint64_t)ids[j] * LIST_MULT); /* ``_wrap64(lst * _LIST_MULT)`` */
-            Py_ssize_t pos;
-            int64_t r = find_entry(&t, v, &pos);
-            if (r > best)
-                best = r;
-        }
+        int64_t best = latest_row(&t, ids, n_lists, v);
         if (best < 0)
             continue;
         int64_t key = get(&t.mk, best);
@@ -583,9 +620,133 @@ done:
     return result;
 }
 
+/* store_chain(etab, ktab, e_hash, e_key, e_list, e_count, s_key, ehome, khome, spread, lst, list_len, hashes,
+ *             tokens, block_size, parent_hash, root_key, row, unsigned_keys) -> (stop, row, added, wide, keys) | None
+ * One BlockStored event of a worker in one call (``CompactKvIndex.store_chain``): the parent's key (the latest
+ * entry holding ``parent_hash`` in the worker's lists that hold any, ``list_len`` being the index's entries
+ * per list, as ``key_of``; ``root_key`` when it is None), the
+ * chained keys of the token blocks (``chain_keys`` without extra keys, router/_xxh3.h), then the store loop of
+ * ``store_plain`` from block 0. ``keys`` (the chained keys, a list) is None for an orphan (a parent the worker
+ * does not hold: nothing stored). None: a case this path does not cover (tokens neither a list nor a buffer
+ * of uint32, a block size outside 5 to 60 tokens, a parent hash that is not an int64, a parent key kept
+ * negative): the caller composes the three in Python. TypeError or OverflowError for a token that is not a
+ * uint32, before anything is stored, as ``chain_keys`` raises.
+ *
+ * Why one call: a decoding engine publishes a BlockStored of one block per request every 16 tokens, and for
+ * such an event the three Python calls this replaces (with their conversions) cost several times its work. */
+static PyObject *store_chain(PyObject *self, PyObject *args) {
+    PyObject *arrays[7], *list_len, *hashes_in, *tokens, *parent_hash;
+    Tables t;
+    Py_ssize_t block_size, row;
+    long long spread, lst;
+    unsigned long long key;
+    int unsigned_keys;
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnLLO!OOnOKnp", &arrays[0], &arrays[1], &arrays[2], &arrays[3], &arrays[4],
+                          &arrays[5], &arrays[6], &t.ehome, &t.khome, &spread, &lst, &PyList_Type, &list_len,
+                          &hashes_in, &tokens, &block_size, &parent_hash, &key, &row, &unsigned_keys))
+        return NULL;
+    long long ids[3];
+    Py_ssize_t n_lists = 0;
+    for (long long j = lst - lst % 3; j < lst - lst % 3 + 3; j++) { /* the worker's lists that hold entries */
+        if (j < 0 || j >= PyList_GET_SIZE(list_len))
+            return PyErr_Format(PyExc_ValueError, "list %lld outside list_len", j);
+        PyObject *len = PyList_GET_ITEM(list_len, j);
+        if (len != NULL && PyObject_IsTrue(len) > 0)
+            ids[n_lists++] = j;
+    }
+    size_t step = (size_t)block_size * 4;
+    if (block_size <= 0 || step < MIN_BLOCK || step > MAX_BLOCK)
+        Py_RETURN_NONE;
+    int64_t parent = 0;
+    if (parent_hash != Py_None && !plain_hash(parent_hash, &parent))
+        Py_RETURN_NONE;
+    Py_buffer view = {0};
+    const uint8_t *data = NULL;
+    Py_ssize_t count;
+    int listed = PyList_CheckExact(tokens);
+    if (listed)
+        count = PyList_GET_SIZE(tokens);
+    else { /* a buffer of native uint32s (the feed's array('I'), the simulated engine's) */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        Py_RETURN_NONE; /* (keys hash little-endian token bytes: chain_keys converts them) */
+#endif
+        if (PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        if (view.itemsize != 4 || view.format == NULL || strcmp(view.format, "I") != 0) {
+            PyBuffer_Release(&view);
+            Py_RETURN_NONE;
+        }
+        data = (const uint8_t *)view.buf;
+        count = view.len / 4;
+    }
+    PyObject *hashes = NULL, *keys = NULL, *result = NULL;
+    uint64_t few[16], *kv = few;
+    Py_ssize_t n = count / block_size;
+    hashes = PySequence_Fast(hashes_in, "engine hashes must be a sequence");
+    if (!hashes)
+        goto done;
+    if (PySequence_Fast_GET_SIZE(hashes) != n) {
+        PyErr_SetString(PyExc_ValueError, "as many token blocks as engine hashes");
+        goto done;
+    }
+    if (!set_tables(&t, arrays, spread, lst))
+        goto done;
+    if (parent_hash != Py_None) {
+        int64_t r = latest_row(&t, ids, n_lists, parent);
+        if (r < 0) {
+            result = Py_BuildValue("nnniO", (Py_ssize_t)0, row, (Py_ssize_t)0, 0, Py_None);
+            goto done;
+        }
+        int64_t k = get(&t.mk, r);
+        if (k < 0 && !unsigned_keys) { /* (a negative key stored as such: key_of gives it back negative) */
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        key = (uint64_t)k;
+    }
+    if (n > 16 && !(kv = PyMem_Malloc(n * sizeof *kv))) {
+        kv = few;
+        PyErr_NoMemory();
+        goto done;
+    }
+    keys = PyList_New(n);
+    if (!keys)
+        goto done;
+    uint32_t block[MAX_BLOCK / 4];
+    for (Py_ssize_t b = 0; b < n; b++) { /* every key first: a bad token fails the event before any store */
+        if (listed) {
+            if (read_block_tokens(tokens, b, block_size, block) < 0)
+                goto done;
+            key = xxh3_mid((const uint8_t *)block, step, key);
+        } else
+            key = xxh3_mid(data + b * step, step, key);
+        kv[b] = key;
+        PyObject *k = PyLong_FromUnsignedLongLong(key);
+        if (!k)
+            goto done;
+        PyList_SET_ITEM(keys, b, k);
+    }
+    Py_ssize_t added = 0;
+    int wide = 0;
+    Py_ssize_t stop = store_entries(&t, hashes, NULL, kv, 0, n, &row, &added, &wide);
+    if (stop != -2)
+        result = Py_BuildValue("nnniO", stop, row, added, wide, keys);
+done:
+    if (kv != few)
+        PyMem_Free(kv);
+    if (!listed && view.obj != NULL)
+        PyBuffer_Release(&view);
+    Py_XDECREF(hashes);
+    Py_XDECREF(keys);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"latest_keys", latest_keys, METH_VARARGS, "CompactKvIndex.key_of / keys_of: the latest entries' keys."},
     {"store_plain", store_plain, METH_VARARGS, "CompactKvIndex.store's loop for new blocks with new keys."},
+    {"store_chain", store_chain, METH_VARARGS, "CompactKvIndex.store_chain: a BlockStored's parent, keys and store."},
     {"compact_rows", compact_rows, METH_VARARGS, "CompactKvIndex._compact in place: live rows down, slots remapped."},
     {"rebuild_slots", rebuild_slots, METH_VARARGS, "_Table.rebuild's placement of its values in home order."},
     {"forget", forget, METH_NOARGS, "Release the buffers kept open for the arrays the loops last worked on."},

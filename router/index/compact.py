@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from router.index.residency import MEDIA, BlockEntry, EngineHash, Medium, PrefixMatch, store_chained
+from router.keys import ROOT_KEY
 
 try:  # the store and remove loops' common blocks in C (router/index/_fastcompact.c); the Python loops
     # (_store_blocks, _remove_blocks) do them without it
@@ -50,9 +51,10 @@ try:  # the store and remove loops' common blocks in C (router/index/_fastcompac
     from router.index._fastcompact import latest_keys as _latest_keys
     from router.index._fastcompact import rebuild_slots as _rebuild_slots
     from router.index._fastcompact import remove_plain as _remove_plain
+    from router.index._fastcompact import store_chain as _store_chain
     from router.index._fastcompact import store_plain as _store_plain
 except ImportError:
-    _store_plain = _remove_plain = _latest_keys = _rebuild_slots = _compact_rows = None
+    _store_plain = _store_chain = _remove_plain = _latest_keys = _rebuild_slots = _compact_rows = None
 
     def _forget_buffers() -> None:
         return None
@@ -506,41 +508,74 @@ class CompactKvIndex:
             if self._entries > self.capacity:
                 self._evict()
             return
-        n = len(keys)
         m = int(medium)
-        ehash, ktab = self._ehash, self._ktab[m]
-        if self._rows + n > len(self._e_hash) or ehash.used + n > ehash.limit or ktab.used + n > ktab.limit:
-            self._reserve(n)  # (the common event has room: checked here without the calls)
-        lst = 3 * slot + m
+        self._make_room(len(keys), m)
         if _store_plain is None:
             added = self._store_blocks(slot, m, engine_hashes, keys)
         else:  # the common blocks in C; the first that needs more here, then C again from the next
-            added, start = 0, 0
-            while True:
-                stop, self._rows, plain, wide = _store_plain(*self._tables(m, lst), engine_hashes, keys, start,
-                                                             self._rows)
-                ktab.used += plain  # (each new entry takes a slot in both tables)
-                ehash.used += plain
-                added += plain
-                if wide:
-                    self._unsigned_keys = True
-                if stop < 0:  # a key that is not a uint64: all of the rest in Python (it raises or maps them)
-                    added += self._store_blocks(slot, m, engine_hashes[start:], keys[start:])
-                    break
-                if stop >= n:
-                    break
-                added += self._store_blocks(slot, m, engine_hashes[stop : stop + 1], keys[stop : stop + 1])
-                start = stop + 1
-        self._list_len[lst] += added
-        self._entries += added
-        if self._entries > self.capacity:
-            self._evict()
+            added = self._stored_plain(slot, m, engine_hashes, keys, 0)
+        self._stored(3 * slot + m, added)
 
     def store_chain(self, worker_id: str, engine_hashes: Sequence[EngineHash], token_ids: Sequence[int],
                     block_size: int, parent_hash: EngineHash | None, medium: Medium) -> bool:
         """One BlockStored event from its tokens (``KvIndex.store_chain``): the parent's key, the chained keys,
-        the store; False, storing nothing, for an orphan."""
+        the store; False, storing nothing, for an orphan. The feed's common event in one compiled call
+        (router/index/_fastcompact.c: ``store_chain``); token ids that are not uint32 raise as ``chain_keys``."""
+        slot = self._slot.get(worker_id)
+        n = len(engine_hashes)
+        if _store_chain is not None and slot is not None and n < _BULK:  # (a long event: the numpy store)
+            m = int(medium)
+            self._make_room(n, m)
+            lst = 3 * slot + m
+            done = _store_chain(*self._tables(m, lst), self._list_len, engine_hashes, token_ids, block_size,
+                                parent_hash, ROOT_KEY, self._rows, self._unsigned_keys)
+            if done is not None:
+                stop, self._rows, added, wide, keys = done
+                if keys is None:
+                    return False
+                self._took_plain(m, added, wide)
+                if stop < n:
+                    added += self._stored_plain(slot, m, engine_hashes, keys, stop, handed_back=True)
+                self._stored(lst, added)
+                return True
         return store_chained(self, worker_id, engine_hashes, token_ids, block_size, parent_hash, medium)
+
+    def _make_room(self, n: int, m: int) -> None:
+        ehash, ktab = self._ehash, self._ktab[m]
+        if self._rows + n > len(self._e_hash) or ehash.used + n > ehash.limit or ktab.used + n > ktab.limit:
+            self._reserve(n)  # (the common event has room: checked here without the calls)
+
+    def _took_plain(self, m: int, added: int, wide: bool) -> None:
+        """What a compiled store loop's ``added`` new entries changed (each took a slot in both tables)."""
+        self._ktab[m].used += added
+        self._ehash.used += added
+        if wide:
+            self._unsigned_keys = True
+
+    def _stored_plain(self, slot: int, m: int, engine_hashes: Sequence[EngineHash], keys: Sequence[int], start: int,
+                      handed_back: bool = False) -> int:
+        """The blocks from ``start`` on, the common ones in C, each one it hands back in Python, then C again from
+        the next (``handed_back``: block ``start`` itself was handed back already). Returns the new entries."""
+        n, lst, added = len(keys), 3 * slot + m, 0
+        while True:
+            if handed_back:
+                added += self._store_blocks(slot, m, engine_hashes[start : start + 1], keys[start : start + 1])
+                start += 1
+            stop, self._rows, plain, wide = _store_plain(*self._tables(m, lst), engine_hashes, keys, start,
+                                                         self._rows)
+            self._took_plain(m, plain, wide)
+            added += plain
+            if stop < 0:  # a key that is not a uint64: all of the rest in Python (it raises or maps them)
+                return added + self._store_blocks(slot, m, engine_hashes[start:], keys[start:])
+            if stop >= n:
+                return added
+            start, handed_back = stop, True
+
+    def _stored(self, lst: int, added: int) -> None:
+        self._list_len[lst] += added
+        self._entries += added
+        if self._entries > self.capacity:
+            self._evict()
 
     def _tables(self, m: int, lst: int) -> tuple:
         """What the compiled loops work on, in place (router/index/_fastcompact.c: ``Tables``): the hash table and
