@@ -237,7 +237,7 @@ def test_a_wide_rankings_head_is_picks_first_few(seed):
     ``pick``'s first few, on scores tied exactly, within rounding, near it on either side, at the k-th score's
     edge, large and infinite; then the whole ranking is ``pick``'s order."""
     rng = random.Random(seed)
-    n = rng.choice([4 * min_score.HEAD + 1, 100, 300, 1000])
+    n = rng.choice([min_score.HEAD_FROM + 1, 100, 300, 1000])
     low = rng.choice([0.0, 1e-3, 0.5])  # the lowest of the spread-out scores (from 1e-3), or among them
     pool = [low, low + 1e-12, low + 4e-10, low + 6e-10, low + 1e-8, low + 2e-8, 0.123456789049, 0.12345678905,
             1e7 + 0.1, float("inf")]
@@ -249,7 +249,7 @@ def test_a_wide_rankings_head_is_picks_first_few(seed):
     ranked = a.rank(snap, np.arange(n), scores)
     want = b.pick(snap, snap.candidates, scores)
     assert a.rng.getstate() == b.rng.getstate()  # every draw made at once
-    if share == 0.0:  # spread-out scores: the tail is left for when it is read
+    if share == 0.0 and n > min_score.HEAD_FROM:  # spread-out scores: the tail is left for when it is read
         assert isinstance(ranked, min_score.Ranking) and ranked._full is None
     assert [ranked[i] for i in range(min_score.HEAD)] == want[: min_score.HEAD]
     assert ranked[: min_score.HEAD] == want[: min_score.HEAD] and ranked[:3] == want[:3]

@@ -19,8 +19,10 @@ from router.scheduling.snapshot import Candidate, Snapshot
 # up to this many candidates ``rank`` sorts them as ``pick`` does; more: ``min_score_order`` (the same order)
 SORTED_UP_TO = 32
 # a wide ranking's first this many are ordered when it is made, the rest when read (past a proxy's three attempts
-# and Envoy's pick and two fallbacks by default)
+# and Envoy's pick and two fallbacks by default); up to HEAD_FROM candidates the whole order costs less (measured:
+# 64 candidates 20 against 24 us, 160 alike, 1,000 119 against 49)
 HEAD = 8
+HEAD_FROM = 160
 
 
 class MinScore(Picker):
@@ -121,10 +123,10 @@ def min_score_order(scores: Sequence[float], rng: random.Random) -> np.ndarray:
 def head_order(s: np.ndarray, draws: np.ndarray, k: int) -> np.ndarray | None:
     """The first ``k`` positions of ``ordered(s, draws)``, from the candidates that could be among them: those
     within rounding of the k-th lowest score (a superset of every one whose rounded score is at most its
-    rounded one, which is where the first k are). None where that saves nothing (few candidates, or as many
-    near the k-th as to be most of them) or where a score is NaN or -inf."""
+    rounded one, which is where the first k are). None where that saves nothing (up to ``HEAD_FROM`` or ``4 k``
+    candidates, or as many near the k-th as to be most of them) or where a score is NaN or -inf."""
     n = len(s)
-    if n <= 4 * k or not (s > -np.inf).all():  # NaN or -inf: no threshold to select by
+    if n <= max(HEAD_FROM, 4 * k) or not (s > -np.inf).all():  # NaN or -inf: no threshold to select by
         return None
     kth = float(np.partition(s, k - 1)[k - 1])
     near = np.flatnonzero(s <= kth + max(1e-8, abs(kth) * 1e-12))  # kth inf: every one
