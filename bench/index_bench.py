@@ -13,7 +13,10 @@ removes).
 while it decodes: a block per request every 16 tokens), where the per-event work outweighs the per-block work.
 Match: 64 workers holding 1M blocks in total; worker j holds the first j/64 of the query prompt (so the
 walk covers the whole prompt) plus filler; keys are computed beforehand, only ``KvIndex.match`` is timed.
-Memory: bytes traced (tracemalloc: numpy's arrays included, with their spare capacity) per resident block.
+Memory: bytes traced (tracemalloc: numpy's arrays included, with their spare capacity) per resident block,
+as stores fill the index, and the most it reaches under steady eviction (``bytes_per_resident_block_churn``:
+64 workers filled with 16-block events, then each event stored evicts its worker's oldest, until every block
+was replaced three times: what an index of engines at their cache's capacity holds).
 
 At scale (``--blocks 20000000 --workers 1000``, not part of the default run nor of the tests): the same index
 built to that size (bulk stores, one per worker and prompt share), its memory per block and the match there.
@@ -192,6 +195,37 @@ def bench_memory(n_blocks: int, layout: type[KvIndex] = KvIndex) -> float:
     return used / len(index)
 
 
+def bench_churn_memory(blocks_per_worker: int, layout: type[KvIndex] = KvIndex, workers: int = 64) -> float:
+    """The most traced bytes per resident block while engines evict as fast as they store. The events' hashes
+    follow from their numbers (no list of them is kept: it would be traced with the index)."""
+    rng = random.Random(6)
+    per_event = 16
+    events = blocks_per_worker // per_event
+
+    def hashes(event: int) -> range:  # fill: worker w's i-th event is w * events + i; then one per worker a round
+        return range(event * per_event, (event + 1) * per_event)
+
+    def store(w: int, event: int) -> None:
+        index.store(f"w{w}", hashes(event), [rng.getrandbits(64) for _ in range(per_event)], Medium.GPU)
+
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = layout(capacity=1 << 40)
+    for w in range(workers):
+        for i in range(events):
+            store(w, w * events + i)
+    worst = 0.0
+    for r in range(3 * events):
+        for w in range(workers):
+            store(w, workers * events + r * workers + w)
+            oldest = w * events + r if r < events else workers * events + (r - events) * workers + w
+            index.remove(f"w{w}", hashes(oldest), Medium.GPU)
+        worst = max(worst, (tracemalloc.get_traced_memory()[0] - before) / len(index))
+    tracemalloc.stop()
+    return worst
+
+
 def bench_scale(total_blocks: int, n_workers: int, iters: int = 50, layout: type[KvIndex] = KvIndex) -> dict:
     """Build ``total_blocks`` over ``n_workers`` (as ``bench_match`` does), traced: bytes per resident block,
     build rate, and the match latency at that size."""
@@ -229,6 +263,7 @@ def run_layout(layout: type[KvIndex], quick: bool, progress: Callable[[str], Non
     match, resident = bench_match(64, 50_000 if quick else 1_000_000, iters=50 if quick else 500, layout=layout)
     progress(f"{name}: memory")
     per_block = bench_memory(20_000 if quick else 200_000, layout=layout)
+    churn = bench_churn_memory(320 if quick else 2000, layout=layout)
     return {
         "ingest_block_events_per_s": round(ingest["ingest_block_events_per_s"]),
         "decode_only_block_events_per_s": round(ingest["decode_only_block_events_per_s"]),
@@ -242,6 +277,7 @@ def run_layout(layout: type[KvIndex], quick: bool, progress: Callable[[str], Non
         "workers": 64,
         "block_size": BLOCK,
         "bytes_per_resident_block": round(per_block, 1),
+        "bytes_per_resident_block_churn": round(churn, 1),
     }
 
 
@@ -296,6 +332,7 @@ def main(args: argparse.Namespace) -> int:
         rows.append((f"  block keys for {k} tokens, p50 ms (not in match)",
                      cells(lambda r, k=k: f"{r['keys_p50_ms'][k]:.3f}")))
     rows.append(("index memory, bytes per resident block", cells(lambda r: f"{r['bytes_per_resident_block']:.0f}")))
+    rows.append(("  the most under steady eviction", cells(lambda r: f"{r['bytes_per_resident_block_churn']:.0f}")))
     width = max(len(r[0]) for r in rows)
     for name, val in rows:
         print(f"{name:<{width}}  {val}")

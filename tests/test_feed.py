@@ -86,6 +86,8 @@ def test_cli_bench_index_quick_json():
     data = json.loads(out)
     assert data["ingest_block_events_per_s"] > 0
     assert set(data["match_p99_ms"]) == {"8k", "32k"} and data["bytes_per_resident_block"] > 0
+    compact = data["layouts"]["compact"]  # under steady eviction the compact layout stays within its budget
+    assert 0 < compact["bytes_per_resident_block_churn"] <= 40
 
 
 def test_replayed_batches_before_a_clear_are_skipped_and_the_result_is_the_same():
