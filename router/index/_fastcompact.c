@@ -395,38 +395,42 @@ static int64_t latest_row(const Tables *t, const long long *ids, Py_ssize_t n_li
     return best;
 }
 
-/* A tuple of at most three list ids into ``ids``: their count, or -1 with an exception set. */
-static Py_ssize_t list_ids(PyObject *lists, long long *ids) {
-    Py_ssize_t n_lists = PyTuple_GET_SIZE(lists);
-    if (n_lists > 3) {
-        PyErr_SetString(PyExc_ValueError, "at most three lists");
-        return -1;
-    }
-    for (Py_ssize_t j = 0; j < n_lists; j++) {
-        ids[j] = PyLong_AsLongLong(PyTuple_GET_ITEM(lists, j));
-        if (ids[j] == -1 && PyErr_Occurred())
+/* The lists of ``lst``'s worker (one per medium) that hold entries, by ``list_len`` (the index's entries per list),
+ * into ``ids``: their count, or -1 with an exception set. */
+static Py_ssize_t held_lists(PyObject *list_len, long long lst, long long *ids) {
+    Py_ssize_t n_lists = 0;
+    for (long long j = lst - lst % 3; j < lst - lst % 3 + 3; j++) {
+        if (j < 0 || j >= PyList_GET_SIZE(list_len)) {
+            PyErr_Format(PyExc_ValueError, "list %lld outside list_len", j);
             return -1;
+        }
+        int held = PyObject_IsTrue(PyList_GET_ITEM(list_len, j));
+        if (held < 0)
+            return -1;
+        if (held)
+            ids[n_lists++] = j;
     }
     return n_lists;
 }
 
-/* latest_keys(etab, ktab, e_hash, e_key, e_list, e_count, s_key, ehome, khome, spread, lst, lists, values,
+/* latest_keys(etab, ktab, e_hash, e_key, e_list, e_count, s_key, ehome, khome, spread, lst, list_len, values,
  *             unsigned)
- *   -> list[int]
+ *   -> list[int] | None
  * ``key_of`` of each of ``values`` (engine hashes as kept: int64s): the key of the latest entry row holding it in
- * any of ``lists`` (a worker's lists, one per medium), the values no list holds left out; keys given back
- * unsigned when ``unsigned`` (as ``_out_key``). ``spread`` and ``lst`` are ignored (each list's own are used). */
+ * any of the lists of ``lst``'s worker that hold entries (``list_len``: the index's entries per list), the values
+ * no list holds left out; keys given back unsigned when ``unsigned`` (as ``_out_key``). ``spread`` is ignored
+ * (each list's own is used). None: a value that is not an int64 (the caller maps the hashes first). */
 static PyObject *latest_keys(PyObject *self, PyObject *args) {
-    PyObject *arrays[7], *lists, *values_in;
+    PyObject *arrays[7], *list_len, *values_in;
     Tables t;
     long long spread, lst;
     int unsigned_keys;
     if (!PyArg_ParseTuple(args, "OOOOOOOnnLLO!Op", &arrays[0], &arrays[1], &arrays[2], &arrays[3], &arrays[4],
-                          &arrays[5], &arrays[6], &t.ehome, &t.khome, &spread, &lst, &PyTuple_Type, &lists,
+                          &arrays[5], &arrays[6], &t.ehome, &t.khome, &spread, &lst, &PyList_Type, &list_len,
                           &values_in, &unsigned_keys))
         return NULL;
     long long ids[3];
-    Py_ssize_t n_lists = list_ids(lists, ids);
+    Py_ssize_t n_lists = held_lists(list_len, lst, ids);
     if (n_lists < 0)
         return NULL;
     PyObject *values = PySequence_Fast(values_in, "values must be a sequence");
@@ -437,9 +441,10 @@ static PyObject *latest_keys(PyObject *self, PyObject *args) {
         goto done;
     out = PyList_New(0);
     for (Py_ssize_t i = 0; out != NULL && i < PySequence_Fast_GET_SIZE(values); i++) {
-        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(values, i));
-        if (v == -1 && PyErr_Occurred()) {
-            Py_CLEAR(out);
+        int64_t v;
+        if (!plain_hash(PySequence_Fast_GET_ITEM(values, i), &v)) {
+            Py_DECREF(out);
+            out = Py_NewRef(Py_None);
             break;
         }
         int64_t best = latest_row(&t, ids, n_lists, v);
@@ -646,14 +651,9 @@ static PyObject *store_chain(PyObject *self, PyObject *args) {
                           &hashes_in, &tokens, &block_size, &parent_hash, &key, &row, &unsigned_keys))
         return NULL;
     long long ids[3];
-    Py_ssize_t n_lists = 0;
-    for (long long j = lst - lst % 3; j < lst - lst % 3 + 3; j++) { /* the worker's lists that hold entries */
-        if (j < 0 || j >= PyList_GET_SIZE(list_len))
-            return PyErr_Format(PyExc_ValueError, "list %lld outside list_len", j);
-        PyObject *len = PyList_GET_ITEM(list_len, j);
-        if (len != NULL && PyObject_IsTrue(len) > 0)
-            ids[n_lists++] = j;
-    }
+    Py_ssize_t n_lists = held_lists(list_len, lst, ids);
+    if (n_lists < 0)
+        return NULL;
     size_t step = (size_t)block_size * 4;
     if (block_size <= 0 || step < MIN_BLOCK || step > MAX_BLOCK)
         Py_RETURN_NONE;

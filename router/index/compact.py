@@ -481,14 +481,19 @@ class CompactKvIndex:
         slot = self._slot.get(worker_id)
         if slot is None:
             return []
-        lists = tuple(lst for lst in range(3 * slot, 3 * slot + 3) if self._list_len[lst])
-        if not lists:
-            return []
+        if _latest_keys is not None:  # (the hashes as sent, or, where one is not an int64, as kept)
+            keys: list[int] | None = _latest_keys(*self._tables(Medium.GPU, 3 * slot), self._list_len, engine_hashes,
+                                                  self._unsigned_keys)
+            if keys is not None:
+                return keys
         lo, hi = _I64_MIN, _I64_END
         values = [h if type(h) is int and lo <= h < hi else self._hash_value(h, None)[0] for h in engine_hashes]
         if _latest_keys is not None:
-            keys: list[int] = _latest_keys(*self._tables(Medium.GPU, 0), lists, values, self._unsigned_keys)
-            return keys
+            return _latest_keys(*self._tables(Medium.GPU, 3 * slot), self._list_len, values,  # type: ignore[no-any-return]
+                                self._unsigned_keys)
+        lists = tuple(lst for lst in range(3 * slot, 3 * slot + 3) if self._list_len[lst])
+        if not lists:
+            return []
         found = []
         for v in values:
             best = max(self._efind(lst, v)[1] for lst in lists)
