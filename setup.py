@@ -1,6 +1,6 @@
 """The compiled parts, each the per-block loop of one pure-Python module, which stays the reference and the
 fallback: router/_fastkeys.c (chained block keys), router/index/_fastdicts.c (the dict index's store and remove
-loops and its match walk), router/index/_fastcompact.c (the compact index's store loop),
+loops and its match walk), router/index/_fastcompact.c (the compact index's store and remove loops),
 router/scheduling/_fastghosts.c (the reuse statistics' ghost list) and router/events/_fasttokens.c (an event's
 token ids read from their msgpack bytes); their headers say why. Optional: where no C compiler is found the
 build goes on without them."""

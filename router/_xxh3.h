@@ -1,6 +1,6 @@
-/* XXH3-64 with a seed for 17 to 240 bytes, and the token-list reading both compiled key paths share:
- * router/_fastkeys.c (``chain_keys``) and router/index/_fastdicts.c (the dict index's fused store of an event's
- * chained blocks). Written from the XXH3 specification for the two length classes block keys use, since the
+/* XXH3-64 with a seed for 17 to 240 bytes, and the token-list reading the compiled key paths share:
+ * router/_fastkeys.c (``chain_keys``), router/index/_fastdicts.c and router/index/_fastcompact.c (each index
+ * layout's fused store of an event's chained blocks). Written from the XXH3 specification for the two length classes block keys use, since the
  * ``xxhash`` package exposes no C API; tests/test_keys.py holds it equal to the package over random blocks,
  * seeds and lengths. gcc or clang (it uses their 128-bit multiply). Everything is static: each module that
  * includes it gets its own copy, and no symbol is exported. */
@@ -105,6 +105,24 @@ static inline int read_block_tokens(PyObject *tokens, Py_ssize_t b, Py_ssize_t b
         out[t] = __builtin_bswap32(out[t]);
 #endif
     return 0;
+}
+
+/* ``tokens`` as a buffer of native uint32s into ``*view`` (the feed's array('I'), the simulated engine's, numpy
+ * uint32): 1, the caller then releases it; 0, nothing held, when it is no such buffer (or on a big-endian host,
+ * where keys hash little-endian token bytes that chain_keys converts): the caller takes the Python path. */
+static inline int open_uint32_tokens(PyObject *tokens, Py_buffer *view) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    return 0;
+#endif
+    if (PyObject_GetBuffer(tokens, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (view->itemsize != 4 || view->format == NULL || strcmp(view->format, "I") != 0) {
+        PyBuffer_Release(view);
+        return 0;
+    }
+    return 1;
 }
 
 #endif

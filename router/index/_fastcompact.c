@@ -666,18 +666,9 @@ static PyObject *store_chain(PyObject *self, PyObject *args) {
     int listed = PyList_CheckExact(tokens);
     if (listed)
         count = PyList_GET_SIZE(tokens);
-    else { /* a buffer of native uint32s (the feed's array('I'), the simulated engine's) */
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-        Py_RETURN_NONE; /* (keys hash little-endian token bytes: chain_keys converts them) */
-#endif
-        if (PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
-            PyErr_Clear();
+    else {
+        if (!open_uint32_tokens(tokens, &view))
             Py_RETURN_NONE;
-        }
-        if (view.itemsize != 4 || view.format == NULL || strcmp(view.format, "I") != 0) {
-            PyBuffer_Release(&view);
-            Py_RETURN_NONE;
-        }
         data = (const uint8_t *)view.buf;
         count = view.len / 4;
     }

@@ -170,19 +170,8 @@ static PyObject *store_chain(PyObject *self, PyObject *args) {
         Py_RETURN_NONE;
     Py_buffer view = {0};
     int listed = PyList_CheckExact(tokens);
-    if (!listed) { /* a buffer of native uint32s (the simulated engine's array('I'), numpy uint32) */
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-        Py_RETURN_NONE; /* (keys hash little-endian token bytes: chain_keys converts them) */
-#endif
-        if (PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
-            PyErr_Clear();
-            Py_RETURN_NONE;
-        }
-        if (view.itemsize != 4 || view.format == NULL || strcmp(view.format, "I") != 0) {
-            PyBuffer_Release(&view);
-            Py_RETURN_NONE;
-        }
-    }
+    if (!listed && !open_uint32_tokens(tokens, &view))
+        Py_RETURN_NONE;
     PyObject *result = chain_and_store(held_by_medium, medium, holders, hashes_in, listed ? tokens : NULL,
                                        listed ? NULL : (const uint8_t *)view.buf,
                                        listed ? PyList_GET_SIZE(tokens) : view.len / 4, block_size, parent_hash,
