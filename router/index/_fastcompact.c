@@ -2,15 +2,17 @@
  * ``remove``), for the common blocks only: storing an int64 engine hash new to the worker's list, whose key (a
  * uint64) no entry holds yet on that medium; removing one whose key its entry alone holds. Each loop stops at
  * the first block that needs more (a hash stored again, a key others hold or a shared row, a hash or key of
- * another kind) and hands it back to the Python loop, which stays the reference for every case.
+ * another kind) and hands it back to the Python loop, which stays the reference for every case. Also: a
+ * BlockStored's parent, keys and store in one call (``store_chain``), and the tables' deletions, which leave no
+ * tombstones (``vacate``, as ``_Table.vacate``).
  *
  * Why C: the layout's point is memory (no Python object per block), so its per-block work is probing two
  * open-addressing tables held in numpy arrays; the interpreter spends about 2 us a block on it, which made
  * this layout's ingest a third of the dict layout's. The tables, rows and counters are exactly what the Python
  * loop leaves (tests/test_index.py and tests/test_index_compact.py run both against the brute-force model).
  * The arrays are the index's own (``_Table.slots``, the entry rows, the shared keys); ``CompactKvIndex.store``
- * reserves room for every block first, and a removal only empties rows and slots, so nothing here grows. Their buffers
- * stay open between calls (``cached_tables``) for as long as the index keeps the same arrays.
+ * reserves room for every block first, and a removal only empties rows and slots, so nothing here grows. Their
+ * buffers stay open between calls (``cached_tables``) for as long as the index keeps the same arrays.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
