@@ -449,6 +449,22 @@ def test_store_chain_is_key_of_then_chain_keys_then_store(Index, events, block_s
 
 
 @LAYOUTS
+@pytest.mark.parametrize("loops", ["compiled", "python"])
+def test_store_chain_fails_in_the_order_its_parts_do(Index, loops):
+    """An orphan is an orphan before its tokens or its length are looked at; bad tokens fail before a length
+    that differs from the hashes': as ``key_of``, ``chain_keys`` and ``store`` one after the other."""
+    with python_loops() if loops == "python" else nullcontext():
+        index = Index()
+        index.store_chain("a", [1], [5] * 16, 16, None, Medium.GPU)
+        assert index.store_chain("a", [4, 5], list(range(16)), 16, 999, Medium.GPU) is False
+        with pytest.raises(OverflowError):
+            index.store_chain("a", [4, 5], [1] * 15 + [1 << 32], 16, 1, Medium.GPU)
+        with pytest.raises(ValueError):
+            index.store_chain("a", [4, 5], list(range(16)), 16, 1, Medium.GPU)
+        assert index.engine_hashes("a")[Medium.GPU] == {1} and len(index) == 1
+
+
+@LAYOUTS
 @pytest.mark.parametrize("tokens", [[1] * 15 + [1 << 32], [1] * 15 + [-1], [1] * 15 + ["x"]],
                          ids=["past-uint32", "negative", "not-an-int"])
 def test_store_chain_refuses_bad_tokens_before_storing_anything(Index, tokens):

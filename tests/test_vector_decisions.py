@@ -290,6 +290,15 @@ def test_min_score_order_keeps_the_candidates_order_among_equal_draws(seed, monk
     assert min_score.min_score_order(scores, random.Random(0)).tolist() == want
 
 
+def test_equal_draws_on_scores_that_round_alike_keep_the_candidates_order():
+    """Two scores apart but rounding alike, with the same draw: ``sorted`` keeps them in the candidates' order
+    (their keys are equal), not by the raw score."""
+    for scores in ([0.1000000001, 0.1], [0.3, 0.2999999999, 0.3000000004], [2.0, 1.0000000003, 1.0]):
+        draws = np.full(len(scores), 0.5)
+        want = sorted(range(len(scores)), key=lambda i: (round(scores[i], 9), draws[i]))
+        assert min_score.ordered(np.array(scores), draws).tolist() == want
+
+
 class PerCandidateOnly(Filter):
     """A third-party filter with no vector form."""
 

@@ -677,14 +677,8 @@ static PyObject *store_chain(PyObject *self, PyObject *args) {
     PyObject *hashes = NULL, *keys = NULL, *result = NULL;
     uint64_t few[16], *kv = few;
     Py_ssize_t n = count / block_size;
-    hashes = PySequence_Fast(hashes_in, "engine hashes must be a sequence");
-    if (!hashes)
-        goto done;
-    if (PySequence_Fast_GET_SIZE(hashes) != n) {
-        PyErr_SetString(PyExc_ValueError, "as many token blocks as engine hashes");
-        goto done;
-    }
-    if (!set_tables(&t, arrays, spread, lst))
+    hashes = PySequence_Fast(hashes_in, "engine hashes must be a sequence"); /* (before the tables, as above) */
+    if (!hashes || !set_tables(&t, arrays, spread, lst))
         goto done;
     if (parent_hash != Py_None) {
         int64_t r = latest_row(&t, ids, n_lists, parent);
@@ -720,6 +714,10 @@ static PyObject *store_chain(PyObject *self, PyObject *args) {
         if (!k)
             goto done;
         PyList_SET_ITEM(keys, b, k);
+    }
+    if (PySequence_Fast_GET_SIZE(hashes) != n) { /* (after the parent and the tokens, as store_chained fails) */
+        PyErr_SetString(PyExc_ValueError, "as many token blocks as engine hashes");
+        goto done;
     }
     Py_ssize_t added = 0;
     int wide = 0;

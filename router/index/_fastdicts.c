@@ -205,10 +205,6 @@ static PyObject *chain_and_store(PyObject *held_by_medium, Py_ssize_t medium, Py
         return NULL;
     Py_ssize_t n = count / block_size;
     PyObject *result = NULL, *keys = NULL;
-    if (PySequence_Fast_GET_SIZE(hashes) != n) {
-        PyErr_SetString(PyExc_ValueError, "as many token blocks as engine hashes");
-        goto done;
-    }
     keys = PyList_New(n);
     if (!keys)
         goto done;
@@ -224,6 +220,10 @@ static PyObject *chain_and_store(PyObject *held_by_medium, Py_ssize_t medium, Py
         if (!k)
             goto done;
         PyList_SET_ITEM(keys, b, k);
+    }
+    if (PySequence_Fast_GET_SIZE(hashes) != n) { /* (after the parent and the tokens, as store_chained fails) */
+        PyErr_SetString(PyExc_ValueError, "as many token blocks as engine hashes");
+        goto done;
     }
     Py_ssize_t added, stop = store_loop(PyTuple_GET_ITEM(held_by_medium, medium), holders, hashes, keys, bit, 0,
                                         &added);

@@ -228,7 +228,6 @@ class CompactKvIndex:
         self._ehash = _Table()
         # key -> holders, per medium; shared holder rows: key and a bitmask of worker slots
         self._ktab = [_Table() for _ in MEDIA]
-        self._key_home = [self._key_homes(m) for m in MEDIA]
         self._words = 1  # 64-bit words per holder mask
         self._s_key = [np.zeros(16, np.int64) for _ in MEDIA]
         self._s_mask = [np.zeros((16, 1), _U64) for _ in MEDIA]
@@ -374,11 +373,13 @@ class CompactKvIndex:
         return _home(_ehash_probe(self._ml[row], self._mh[row]), self._ehash.homes)
 
     def _key_homes(self, m: int) -> Callable[[int], int]:
-        """The home of a value of medium ``m``'s key table: an entry row's key's, or a shared row's."""
-        t = self._ktab[m]
+        """The home of a value of medium ``m``'s key table: an entry row's key's, or a shared row's (made for
+        each deletion, not kept: a function held by the index that refers to it would keep it from being
+        freed until the cyclic collector runs)."""
+        mk, sk, homes = self._mk, self._s_kv[m], self._ktab[m].homes
 
         def home_of(val: int) -> int:
-            return _home(self._mk[val] if val >= 0 else self._s_kv[m][-3 - val], t.homes)
+            return _home(mk[val] if val >= 0 else sk[-3 - val], homes)
         return home_of
 
     # ---- value mapping ---------------------------------------------------------------------
@@ -837,7 +838,7 @@ class CompactKvIndex:
                     kpos = 0
             if val >= 0 and not self._originals:
                 self._ehash.vacate(pos, self._entry_home)
-                self._ktab[m].vacate(kpos, self._key_home[m])
+                self._ktab[m].vacate(kpos, self._key_homes(m))
                 ml[row] = no_list
                 dropped += 1
             else:
@@ -868,7 +869,7 @@ class CompactKvIndex:
         kpos, val = self._kfind(m, k)
         t = self._ktab[m]
         if val >= 0:
-            t.vacate(kpos, self._key_home[m])
+            t.vacate(kpos, self._key_homes(m))
             return
         dup = (slot, m, k)
         extra = self._dup_keys.get(dup)
@@ -882,7 +883,7 @@ class CompactKvIndex:
         masks, base = self._s_mv[m], (-3 - val) * words
         masks[base + (slot >> 6)] &= ~(1 << (slot & 63))
         if not any(masks[base + j] for j in range(words)):
-            t.vacate(kpos, self._key_home[m])
+            t.vacate(kpos, self._key_homes(m))
             self._s_free[m].append(r)
 
     def _evict(self) -> None:

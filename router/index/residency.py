@@ -183,7 +183,9 @@ class KvIndex:
     def store(
         self, worker_id: str, engine_hashes: Sequence[EngineHash], keys: Sequence[int], medium: Medium
     ) -> None:
-        """Record blocks stored by a worker (one BlockStored event)."""
+        """Record blocks stored by a worker (one BlockStored event); nothing of it when its lengths differ."""
+        if len(engine_hashes) != len(keys):
+            raise ValueError("engine_hashes and keys differ in length")
         w = self._worker(worker_id)
         held = w.held[medium]
         holders = self._holders[medium]

@@ -159,4 +159,4 @@ def ordered(s: np.ndarray, draws: np.ndarray) -> np.ndarray:
     for k in near.tolist():
         boundary[k] = round(float(ss[k]), 9) != round(float(ss[k + 1]), 9)
     group = np.concatenate(([0], np.cumsum(boundary)))
-    return order[np.lexsort((draws[order], group))]
+    return order[np.lexsort((order, draws[order], group))]  # (equal draws: the candidates' order)
