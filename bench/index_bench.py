@@ -20,7 +20,7 @@ was replaced three times: what an index of engines at their cache's capacity hol
 
 At scale (``--blocks 20000000 --workers 1000``, not part of the default run nor of the tests): the same index
 built to that size (bulk stores, one per worker and prompt share), its memory per block and the match there.
-``python -m bench.index_bench --blocks N --workers W`` (``kvrouter bench index`` has no such options yet).
+``kvrouter bench index --blocks N --workers W [--layout compact|dicts]``.
 """
 
 from __future__ import annotations
