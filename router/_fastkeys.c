@@ -31,46 +31,12 @@ static PyObject *chain(PyObject *self, PyObject *args) {
     size_t step = (size_t)block_size * 4;
     if (step < MIN_BLOCK || step > MAX_BLOCK)
         Py_RETURN_NONE;
-    uint32_t block[MAX_BLOCK / 4];
-    uint64_t key = parent;
-    PyObject *out;
-    if (PyList_CheckExact(tokens)) {
-        Py_ssize_t n = PyList_GET_SIZE(tokens) / block_size;
-        out = PyList_New(n);
-        if (!out)
-            return NULL;
-        for (Py_ssize_t b = 0; b < n; b++) {
-            if (read_block_tokens(tokens, b, block_size, block) < 0) {
-                Py_DECREF(out);
-                return NULL;
-            }
-            key = xxh3_mid((const uint8_t *)block, step, key);
-            PyObject *k = PyLong_FromUnsignedLongLong(key);
-            if (!k) {
-                Py_DECREF(out);
-                return NULL;
-            }
-            PyList_SET_ITEM(out, b, k);
-        }
-        return out;
-    }
+    if (PyList_CheckExact(tokens))
+        return chained_block_keys(tokens, NULL, PyList_GET_SIZE(tokens) / block_size, block_size, parent, NULL);
     Py_buffer view;
     if (PyObject_GetBuffer(tokens, &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    Py_ssize_t n = view.len / (Py_ssize_t)step;
-    out = PyList_New(n);
-    if (out) {
-        const uint8_t *data = view.buf;
-        for (Py_ssize_t b = 0; b < n; b++) {
-            key = xxh3_mid(data + b * step, step, key);
-            PyObject *k = PyLong_FromUnsignedLongLong(key);
-            if (!k) {
-                Py_CLEAR(out);
-                break;
-            }
-            PyList_SET_ITEM(out, b, k);
-        }
-    }
+    PyObject *out = chained_block_keys(NULL, view.buf, view.len / (Py_ssize_t)step, block_size, parent, NULL);
     PyBuffer_Release(&view);
     return out;
 }

@@ -107,6 +107,38 @@ static inline int read_block_tokens(PyObject *tokens, Py_ssize_t b, Py_ssize_t b
     return 0;
 }
 
+/* The chained keys of ``n`` token blocks (``chain_keys`` without extra keys) from ``key`` (the parent's): the
+ * tokens a list of ints (``tokens``) or native uint32s at ``data`` (``tokens`` NULL). A new list of them as ints,
+ * each also into ``out`` unless NULL; NULL with TypeError or OverflowError set for a token that is not a uint32
+ * (or MemoryError). The fused stores compute every key first, so a bad token fails before anything is stored. */
+static inline PyObject *chained_block_keys(PyObject *tokens, const uint8_t *data, Py_ssize_t n,
+                                           Py_ssize_t block_size, uint64_t key, uint64_t *out) {
+    size_t step = (size_t)block_size * 4;
+    PyObject *keys = PyList_New(n);
+    if (!keys)
+        return NULL;
+    uint32_t block[MAX_BLOCK / 4];
+    for (Py_ssize_t b = 0; b < n; b++) {
+        if (tokens != NULL) {
+            if (read_block_tokens(tokens, b, block_size, block) < 0) {
+                Py_DECREF(keys);
+                return NULL;
+            }
+            key = xxh3_mid((const uint8_t *)block, step, key);
+        } else
+            key = xxh3_mid(data + b * step, step, key);
+        if (out != NULL)
+            out[b] = key;
+        PyObject *k = PyLong_FromUnsignedLongLong(key);
+        if (!k) {
+            Py_DECREF(keys);
+            return NULL;
+        }
+        PyList_SET_ITEM(keys, b, k);
+    }
+    return keys;
+}
+
 /* ``tokens`` as a buffer of native uint32s into ``*view`` (the feed's array('I'), the simulated engine's, numpy
  * uint32): 1, the caller then releases it; 0, nothing held, when it is no such buffer (or on a big-endian host,
  * where keys hash little-endian token bytes that chain_keys converts): the caller takes the Python path. */

@@ -698,23 +698,9 @@ static PyObject *store_chain(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    keys = PyList_New(n);
+    keys = chained_block_keys(listed ? tokens : NULL, data, n, block_size, key, kv);
     if (!keys)
         goto done;
-    uint32_t block[MAX_BLOCK / 4];
-    for (Py_ssize_t b = 0; b < n; b++) { /* every key first: a bad token fails the event before any store */
-        if (listed) {
-            if (read_block_tokens(tokens, b, block_size, block) < 0)
-                goto done;
-            key = xxh3_mid((const uint8_t *)block, step, key);
-        } else
-            key = xxh3_mid(data + b * step, step, key);
-        kv[b] = key;
-        PyObject *k = PyLong_FromUnsignedLongLong(key);
-        if (!k)
-            goto done;
-        PyList_SET_ITEM(keys, b, k);
-    }
     if (PySequence_Fast_GET_SIZE(hashes) != n) { /* (after the parent and the tokens, as store_chained fails) */
         PyErr_SetString(PyExc_ValueError, "as many token blocks as engine hashes");
         goto done;

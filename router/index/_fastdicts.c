@@ -185,7 +185,6 @@ static PyObject *store_chain(PyObject *self, PyObject *args) {
 static PyObject *chain_and_store(PyObject *held_by_medium, Py_ssize_t medium, PyObject *holders, PyObject *hashes_in,
                                  PyObject *tokens, const uint8_t *data, Py_ssize_t count, Py_ssize_t block_size,
                                  PyObject *parent_hash, unsigned long long key, PyObject *bit) {
-    size_t step = (size_t)block_size * 4;
     if (parent_hash != Py_None) {
         PyObject *found = held_key(held_by_medium, parent_hash);
         if (found == NULL && PyErr_Occurred())
@@ -205,22 +204,9 @@ static PyObject *chain_and_store(PyObject *held_by_medium, Py_ssize_t medium, Py
         return NULL;
     Py_ssize_t n = count / block_size;
     PyObject *result = NULL, *keys = NULL;
-    keys = PyList_New(n);
+    keys = chained_block_keys(tokens, data, n, block_size, key, NULL);
     if (!keys)
         goto done;
-    uint32_t block[MAX_BLOCK / 4];
-    for (Py_ssize_t b = 0; b < n; b++) {
-        if (tokens != NULL) {
-            if (read_block_tokens(tokens, b, block_size, block) < 0)
-                goto done;
-            key = xxh3_mid((const uint8_t *)block, step, key);
-        } else
-            key = xxh3_mid(data + b * step, step, key);
-        PyObject *k = PyLong_FromUnsignedLongLong(key);
-        if (!k)
-            goto done;
-        PyList_SET_ITEM(keys, b, k);
-    }
     if (PySequence_Fast_GET_SIZE(hashes) != n) { /* (after the parent and the tokens, as store_chained fails) */
         PyErr_SetString(PyExc_ValueError, "as many token blocks as engine hashes");
         goto done;
