@@ -32,11 +32,11 @@ static PyObject *chain(PyObject *self, PyObject *args) {
     if (step < MIN_BLOCK || step > MAX_BLOCK)
         Py_RETURN_NONE;
     if (PyList_CheckExact(tokens))
-        return chained_block_keys(tokens, NULL, PyList_GET_SIZE(tokens) / block_size, block_size, parent, NULL);
+        return chained_block_keys(tokens, NULL, PyList_GET_SIZE(tokens) / block_size, block_size, parent);
     Py_buffer view;
     if (PyObject_GetBuffer(tokens, &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    PyObject *out = chained_block_keys(NULL, view.buf, view.len / (Py_ssize_t)step, block_size, parent, NULL);
+    PyObject *out = chained_block_keys(NULL, view.buf, view.len / (Py_ssize_t)step, block_size, parent);
     PyBuffer_Release(&view);
     return out;
 }

@@ -108,11 +108,11 @@ static inline int read_block_tokens(PyObject *tokens, Py_ssize_t b, Py_ssize_t b
 }
 
 /* The chained keys of ``n`` token blocks (``chain_keys`` without extra keys) from ``key`` (the parent's): the
- * tokens a list of ints (``tokens``) or native uint32s at ``data`` (``tokens`` NULL). A new list of them as ints,
- * each also into ``out`` unless NULL; NULL with TypeError or OverflowError set for a token that is not a uint32
- * (or MemoryError). The fused stores compute every key first, so a bad token fails before anything is stored. */
+ * tokens a list of ints (``tokens``) or native uint32s at ``data`` (``tokens`` NULL). A new list of them as ints;
+ * NULL with TypeError or OverflowError set for a token that is not a uint32 (or MemoryError). The fused stores
+ * compute every key first, so a bad token fails before anything is stored. */
 static inline PyObject *chained_block_keys(PyObject *tokens, const uint8_t *data, Py_ssize_t n,
-                                           Py_ssize_t block_size, uint64_t key, uint64_t *out) {
+                                           Py_ssize_t block_size, uint64_t key) {
     size_t step = (size_t)block_size * 4;
     PyObject *keys = PyList_New(n);
     if (!keys)
@@ -127,8 +127,6 @@ static inline PyObject *chained_block_keys(PyObject *tokens, const uint8_t *data
             key = xxh3_mid((const uint8_t *)block, step, key);
         } else
             key = xxh3_mid(data + b * step, step, key);
-        if (out != NULL)
-            out[b] = key;
         PyObject *k = PyLong_FromUnsignedLongLong(key);
         if (!k) {
             Py_DECREF(keys);

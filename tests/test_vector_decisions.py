@@ -278,16 +278,15 @@ def test_a_ranking_reads_as_the_list_it_stands_for():
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_min_score_order_keeps_the_candidates_order_among_equal_draws(seed, monkeypatch):
+def test_the_array_order_keeps_the_candidates_order_among_equal_draws(seed):
     """Draws that repeat (the ranking's quicksort of them would put equal ones in any order): still by score,
     then draw, then the candidates' own order, as ``sorted`` gives it."""
     rng = random.Random(seed)
     n = rng.choice([40, 300])
     scores = [rng.choice([0.5, 1.0, 2.0]) if rng.random() < 0.7 else rng.uniform(0, 3) for _ in range(n)]
     draws = np.array([rng.choice([0.25, 0.5, 0.75]) for _ in range(n)])
-    monkeypatch.setattr(min_score, "draws_of", lambda _rng, _n: draws)
     want = sorted(range(n), key=lambda i: (round(scores[i], 9), draws[i]))
-    assert min_score.min_score_order(scores, random.Random(0)).tolist() == want
+    assert min_score.ordered(np.array(scores), draws).tolist() == want
 
 
 def test_equal_draws_on_scores_that_round_alike_keep_the_candidates_order():

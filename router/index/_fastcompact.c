@@ -234,28 +234,22 @@ static void vacate(const Tables *t, int keys, Py_ssize_t pos) {
     put((Column *)c, hole, EMPTY);
 }
 
-/* The store loop of ``store_plain`` and ``store_chain``: from block ``i`` of ``hashes`` (a fast sequence of
- * ``n``), each block a new entry row (``*row`` on) in both tables, its key read from ``keys`` (a fast sequence
- * of ints) or, when ``kv`` is given, from ``kv``. Returns the first block it did not take (``n``: all), or -2
- * with an exception set. */
-static Py_ssize_t store_entries(Tables *t, PyObject *hashes, PyObject *keys, const uint64_t *kv, Py_ssize_t i,
-                                Py_ssize_t n, Py_ssize_t *row, Py_ssize_t *added, int *wide) {
+/* The store loop of ``store_plain`` and ``store_chain``: from block ``i`` of ``hashes`` and ``keys`` (fast
+ * sequences of ``n``), each block a new entry row (``*row`` on) in both tables. Returns the first block it did
+ * not take (``n``: all), or -2 with an exception set. */
+static Py_ssize_t store_entries(Tables *t, PyObject *hashes, PyObject *keys, Py_ssize_t i, Py_ssize_t n,
+                                Py_ssize_t *row, Py_ssize_t *added, int *wide) {
     for (; i < n; i++) {
         int64_t v;
         if (!plain_hash(PySequence_Fast_GET_ITEM(hashes, i), &v))
             break;
-        unsigned long long ku;
-        if (kv != NULL)
-            ku = kv[i];
-        else {
-            PyObject *k_obj = PySequence_Fast_GET_ITEM(keys, i);
-            if (!PyLong_CheckExact(k_obj))
-                break; /* (the first call checked every key: only a caller that changed them gets here) */
-            ku = PyLong_AsUnsignedLongLong(k_obj);
-            if (ku == (unsigned long long)-1 && PyErr_Occurred()) {
-                PyErr_Clear();
-                break;
-            }
+        PyObject *k_obj = PySequence_Fast_GET_ITEM(keys, i);
+        if (!PyLong_CheckExact(k_obj))
+            break; /* (the first call checked every key: only a caller that changed them gets here) */
+        unsigned long long ku = PyLong_AsUnsignedLongLong(k_obj);
+        if (ku == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            break;
         }
         int64_t k = (int64_t)ku;
         Py_ssize_t pos, kpos;
@@ -323,7 +317,7 @@ static PyObject *store_plain(PyObject *self, PyObject *args) {
     }
     Py_ssize_t added = 0;
     int wide = 0;
-    Py_ssize_t i = store_entries(&t, hashes, keys, NULL, start, n, &row, &added, &wide);
+    Py_ssize_t i = store_entries(&t, hashes, keys, start, n, &row, &added, &wide);
     if (i == -2)
         goto done;
     result = Py_BuildValue("nnni", i, row, added, wide);
@@ -555,8 +549,8 @@ static void radix_pass(const uint32_t *homes, const uint32_t *in, uint32_t *out,
  * writing nothing, when a run would pass the end of ``slots`` (the caller then inserts in rounds).
  *
  * Why C: a rebuild is what a table pays to grow (0.4 of its entries' inserts apart while it grows; deletions
- * leave no tombstones to clear); numpy's stable argsort took 60-145 ns an entry (a 20M-block index: seconds with the event loop
- * held), two radix passes over the 32-bit homes take a few. */
+ * leave no tombstones to clear); numpy's stable argsort took 60-145 ns an entry (a 20M-block index: seconds
+ * with the event loop held), two radix passes over the 32-bit homes take a few. */
 static PyObject *rebuild_slots(PyObject *self, PyObject *args) {
     PyObject *slots_o, *probes_o, *values_o;
     Py_ssize_t homes;
@@ -631,9 +625,8 @@ done:
  *             tokens, block_size, parent_hash, root_key, row, unsigned_keys) -> (stop, row, added, wide, keys) | None
  * One BlockStored event of a worker in one call (``CompactKvIndex.store_chain``): the parent's key (the latest
  * entry holding ``parent_hash`` in the worker's lists that hold any, ``list_len`` being the index's entries
- * per list, as ``key_of``; ``root_key`` when it is None), the
- * chained keys of the token blocks (``chain_keys`` without extra keys, router/_xxh3.h), then the store loop of
- * ``store_plain`` from block 0. ``keys`` (the chained keys, a list) is None for an orphan (a parent the worker
+ * per list, as ``key_of``; ``root_key`` when it is None), the chained keys of the token blocks (``chain_keys``
+ * without extra keys, router/_xxh3.h), then the store loop of ``store_plain`` from block 0. ``keys`` (the chained keys, a list) is None for an orphan (a parent the worker
  * does not hold: nothing stored). None: a case this path does not cover (tokens neither a list nor a buffer
  * of uint32, a block size outside 5 to 60 tokens, a parent hash that is not an int64, a parent key kept
  * negative): the caller composes the three in Python. TypeError or OverflowError for a token that is not a
@@ -675,7 +668,6 @@ static PyObject *store_chain(PyObject *self, PyObject *args) {
         count = view.len / 4;
     }
     PyObject *hashes = NULL, *keys = NULL, *result = NULL;
-    uint64_t few[16], *kv = few;
     Py_ssize_t n = count / block_size;
     hashes = PySequence_Fast(hashes_in, "engine hashes must be a sequence"); /* (before the tables, as above) */
     if (!hashes || !set_tables(&t, arrays, spread, lst))
@@ -693,12 +685,7 @@ static PyObject *store_chain(PyObject *self, PyObject *args) {
         }
         key = (uint64_t)k;
     }
-    if (n > 16 && !(kv = PyMem_Malloc(n * sizeof *kv))) {
-        kv = few;
-        PyErr_NoMemory();
-        goto done;
-    }
-    keys = chained_block_keys(listed ? tokens : NULL, data, n, block_size, key, kv);
+    keys = chained_block_keys(listed ? tokens : NULL, data, n, block_size, key);
     if (!keys)
         goto done;
     if (PySequence_Fast_GET_SIZE(hashes) != n) { /* (after the parent and the tokens, as store_chained fails) */
@@ -707,12 +694,10 @@ static PyObject *store_chain(PyObject *self, PyObject *args) {
     }
     Py_ssize_t added = 0;
     int wide = 0;
-    Py_ssize_t stop = store_entries(&t, hashes, NULL, kv, 0, n, &row, &added, &wide);
+    Py_ssize_t stop = store_entries(&t, hashes, keys, 0, n, &row, &added, &wide);
     if (stop != -2)
         result = Py_BuildValue("nnniO", stop, row, added, wide, keys);
 done:
-    if (kv != few)
-        PyMem_Free(kv);
     if (!listed && view.obj != NULL)
         PyBuffer_Release(&view);
     Py_XDECREF(hashes);

@@ -204,7 +204,7 @@ static PyObject *chain_and_store(PyObject *held_by_medium, Py_ssize_t medium, Py
         return NULL;
     Py_ssize_t n = count / block_size;
     PyObject *result = NULL, *keys = NULL;
-    keys = chained_block_keys(tokens, data, n, block_size, key, NULL);
+    keys = chained_block_keys(tokens, data, n, block_size, key);
     if (!keys)
         goto done;
     if (PySequence_Fast_GET_SIZE(hashes) != n) { /* (after the parent and the tokens, as store_chained fails) */

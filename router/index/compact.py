@@ -808,6 +808,7 @@ class CompactKvIndex:
         kt, sk = self._ktab[m].mv, self._s_kv[m]
         ksize, khome = len(kt), self._ktab[m].homes
         m32, mult, empty, no_list = _M32, _MULT32, _EMPTY, _NO_LIST
+        key_home = self._key_homes(m)  # (no removal here replaces the arrays it reads)
         dropped = 0
         for h in engine_hashes:  # _efind inlined, as in ``store``
             v = h if type(h) is int and lo <= h < hi else self._hash_value(h, None)[0]
@@ -838,7 +839,7 @@ class CompactKvIndex:
                     kpos = 0
             if val >= 0 and not self._originals:
                 self._ehash.vacate(pos, self._entry_home)
-                self._ktab[m].vacate(kpos, self._key_homes(m))
+                self._ktab[m].vacate(kpos, key_home)
                 ml[row] = no_list
                 dropped += 1
             else:

@@ -16,7 +16,7 @@ import numpy as np
 from router.scheduling.plugins.base import Picker
 from router.scheduling.snapshot import Candidate, Snapshot
 
-# up to this many candidates ``rank`` sorts them as ``pick`` does; more: ``min_score_order`` (the same order)
+# up to this many candidates ``rank`` sorts them as ``pick`` does; more: ``ordered`` (the same order)
 SORTED_UP_TO = 32
 # a wide ranking's first this many are ordered when it is made, the rest when read (past a proxy's three attempts
 # and Envoy's pick and two fallbacks by default); up to HEAD_FROM candidates the whole order costs less (measured:
@@ -110,14 +110,6 @@ def draws_of(rng: random.Random, n: int) -> np.ndarray:
     high = (words[:, 0] >> 5).astype(np.float64)
     low = (words[:, 1] >> 6).astype(np.float64)
     return (high * 67108864.0 + low) * (1.0 / 9007199254740992.0)
-
-
-def min_score_order(scores: Sequence[float], rng: random.Random) -> np.ndarray:
-    """``pick``'s order as positions: by ``round(score, 9)``, ties by one ``rng.random()`` each, drawn in the
-    candidates' order (so the generator moves exactly as ``pick`` moves it)."""
-    n = len(scores)
-    draws = draws_of(rng, n)
-    return ordered(scores if isinstance(scores, np.ndarray) else np.fromiter(scores, dtype=float, count=n), draws)
 
 
 def head_order(s: np.ndarray, draws: np.ndarray, k: int) -> np.ndarray | None:
