@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,8 +22,26 @@ from pathlib import Path
 
 import pytest
 
-from bench.load import free_port
 from workers.vllm.launch import cpu_env, vllm_command
+
+
+def engine_port() -> int:
+    """A free port below the kernel's ephemeral range, for an engine's HTTP, event and replay sockets. A port
+    from ``free_port`` (bind to 0) is released before the engine binds it, and two engines starting together
+    each pick ports for their own sockets from that same ephemeral range (vLLM's handshake binds port 0): the
+    second engine's publisher then found its port taken ("Address already in use"). Below the range, only
+    another ``engine_port`` can take it, and each is checked free first."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    rng = random.SystemRandom()
+    while True:
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("KVROUTER_VLLM_VENV", ROOT / ".venv-vllm"))
@@ -128,6 +148,6 @@ def running(group: list[Engine]):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def engines(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("engine-logs")
-    with running([Engine(f"e{i}", free_port(), free_port(), free_port(), i, tiny_model, logs / f"e{i}.log")
+    with running([Engine(f"e{i}", engine_port(), engine_port(), engine_port(), i, tiny_model, logs / f"e{i}.log")
                   for i in range(2)]) as pair:
         yield pair

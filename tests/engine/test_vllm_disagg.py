@@ -14,8 +14,7 @@ import urllib.request
 import aiohttp
 import pytest
 
-from bench.load import free_port
-from tests.engine.conftest import Engine, running
+from tests.engine.conftest import Engine, engine_port, running
 from tests.engine.test_vllm_e2e import complete, prompt, proxy
 
 pytestmark = [pytest.mark.engine, pytest.mark.sockets]
@@ -35,7 +34,7 @@ def pd_pair(tiny_model, tmp_path_factory):
     for i, role in enumerate(("kv_producer", "kv_consumer")):
         kv = {"kv_connector": "ExampleConnector", "kv_role": role,
               "kv_connector_extra_config": {"shared_storage_path": str(store)}}
-        pair.append(Engine(("prefill", "decode")[i], free_port(), free_port(), free_port(), i, tiny_model,
+        pair.append(Engine(("prefill", "decode")[i], engine_port(), engine_port(), engine_port(), i, tiny_model,
                            logs / f"{role}.log", extra=("--kv-transfer-config", json.dumps(kv))))
     with running(pair):
         yield pair
