@@ -22,9 +22,8 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-from aiohttp import web
 
-from bench.load import free_port, p99, sim_workers
+from bench.load import p99, sim_workers
 from bench.peers import PeerUnavailable
 from router.config import load_config
 from router.discovery import parse_worker_arg
@@ -138,15 +137,13 @@ async def run_policy(policy: str, workers: list[str], worker_urls: list[str], wo
     cfg.workers = [parse_worker_arg(w) for w in workers]
     server = ProxyServer(cfg)
     await server.start()
-    runner = web.AppRunner(server.app(), access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    api = await server.serve_api("127.0.0.1", 0)
+    port = api.sockets[0].getsockname()[1]
     await asyncio.sleep(0.5)  # event subscriptions settle
     try:
         return await drive_workload(policy, f"http://127.0.0.1:{port}/v1/completions", workload, progress)
     finally:
-        await runner.cleanup()
+        api.close()
         await server.stop()
 
 

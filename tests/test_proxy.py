@@ -24,20 +24,17 @@ async def proxy(worker_specs: list[str], **overrides):
     cfg.workers = [parse_worker_arg(s) for s in worker_specs]
     server = ProxyServer(cfg)
     await server.start()
-    runners = []
-    urls = []
-    for app in (server.app(), server.admin_app()):
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    api = await server.serve_api("127.0.0.1", 0)
+    runner = web.AppRunner(server.admin_app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    admin = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     try:
-        yield server, urls[0], urls[1]
+        yield server, f"http://127.0.0.1:{api.sockets[0].getsockname()[1]}", admin
     finally:
-        for r in runners:
-            await r.cleanup()
+        api.close()
+        await runner.cleanup()
         await server.stop()
 
 

@@ -28,17 +28,18 @@ import contextlib
 import json
 import logging
 import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
-from yarl import URL
 
 from router.config import RouterConfig
+from router.frontends import http1
 from router.frontends.api_paths import GENERATE_PATHS, TOKENIZER_PATHS
 from router.frontends.fleet import fleet_from_config
+from router.frontends.http1 import Request, Response, UpstreamError, UpstreamPool, UpstreamResponse, json_response
 from router.frontends.metrics import RouterMetrics
 from router.frontends.openai import (
     BadRequest,
@@ -49,7 +50,7 @@ from router.frontends.openai import (
     new_request_id,
     salt_rule,
 )
-from router.frontends.openai import error_response as error
+from router.frontends.openai import error_response as admin_error
 from router.frontends.processes import ProcessSlot, start_shared_load
 from router.index.digest import residency_digest
 from router.scheduling import Decision, Dispatch, RouteRequest, RoutingCore
@@ -66,8 +67,20 @@ MAX_JSON_TAIL_BYTES = 4 * 1024 * 1024  # a non-streamed answer longer than this 
 WHOLE_BODY_BYTES = 1024 * 1024  # a non-streamed answer up to this long is read whole and sent in one write
 MAX_MERGED_BYTES = 64 * 1024 * 1024  # one prompt's answer in a batch is read whole (to merge): at most this
 RESPONSES_FIRST_TOKEN = b"response.output_text.delta"  # a Responses stream opens with events before any token
-MAX_UPSTREAM_URLS = 4096  # parsed worker URLs kept (workers x API paths; cleared past this)
+MAX_UPSTREAM_URLS = 4096  # parsed worker URLs kept (cleared past this)
 _decode_json = msgspec.json.Decoder().decode
+# the API port's routes: path -> method -> handler name (HEAD is served wherever GET is)
+_ROUTES: dict[str, dict[str, str]] = {
+    **{path: {"POST": "generate"} for path in GENERATE_PATHS},
+    **{path: {"POST": "tokenize"} for path in TOKENIZER_PATHS},
+    "/v1/models": {"GET": "models"}, "/health": {"GET": "health"}, "/metrics": {"GET": "prometheus"},
+}
+
+
+def error(status: int, message: str, kind: str = "BadRequestError", headers: dict[str, str] | None = None
+          ) -> Response:
+    """An error in vLLM's OpenAI shape, on the API port."""
+    return json_response(http1.error_body(status, message, kind), status, headers)
 
 
 def _json_loads(data: bytes) -> Any:
@@ -156,8 +169,8 @@ class ProxyServer:
         self.metrics = RouterMetrics(self.fleet)
         self.decisions: collections.deque[_LoggedDecision] = collections.deque(maxlen=config.decision_log_size)
         self.parser = RequestParser(self.tokenizer_for)
-        self._session: aiohttp.ClientSession | None = None
-        self._urls: dict[str, URL] = {}  # worker URL + path, parsed once (aiohttp would parse the string each time)
+        self._pool: UpstreamPool | None = None
+        self._urls: dict[str, tuple[str, int, str, bool]] = {}  # worker URL: host, port, path prefix, TLS
         # the client headers never forwarded: with a trusted tenant header (salt.salt set), that one too
         tenant = config.tenant_header.lower() if config.tenant_header else None
         self._drop_headers = {False: frozenset(HOP_BY_HOP | DESTINATION_HEADERS),
@@ -165,30 +178,34 @@ class ProxyServer:
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.config.upstream_timeout_s, sock_connect=2.0)
-        # no cookie jar: a worker's Set-Cookie belongs to the client it answered, never to the next request
-        # (and keeping none spares every request the jar's filtering)
-        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
-                                              connector=aiohttp.TCPConnector(limit=0),
-                                              cookie_jar=aiohttp.DummyCookieJar())
+        # a worker's answer is relayed as sent (no decompression) and its cookies never kept: a Set-Cookie
+        # belongs to the client it answered
+        self._pool = UpstreamPool(connect_timeout_s=2.0)
         await self.fleet.start()
 
     async def stop(self) -> None:
         await self.fleet.stop()
-        if self._session is not None:
-            await self._session.close()
+        if self._pool is not None:
+            self._pool.close()
         self.parser.close()
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
-        app.add_routes([
-            *(web.post(path, self.generate) for path in GENERATE_PATHS),
-            *(web.post(path, self.tokenize) for path in TOKENIZER_PATHS),
-            web.get("/v1/models", self.models),
-            web.get("/health", self.health),
-            web.get("/metrics", self.prometheus),
-        ])
-        return app
+    async def serve_api(self, host: str, port: int, reuse_port: bool = False) -> asyncio.Server:
+        """Listen for the API (router/frontends/http1.py: the request path on asyncio protocols)."""
+        return await http1.serve(self.handle, host, port, self.config.max_body_bytes, reuse_port,
+                                 refused=lambda status: self.metrics.count_request(str(status)))
+
+    async def handle(self, request: Request) -> Response | None:
+        """The API port: only the API paths (router/frontends/api_paths.py); 404 for any other, 405 for a
+        method a path does not take."""
+        methods = _ROUTES.get(request.path)
+        if methods is None:
+            return error(404, f"no such path: {request.path}", "NotFoundError")
+        name = methods.get("GET" if request.method == "HEAD" else request.method)
+        if name is None:
+            return error(405, f"{request.method} is not served on {request.path}", "MethodNotAllowed",
+                         {"allow": ", ".join(methods)})
+        handler = getattr(self, name)
+        return await handler(request)
 
     def admin_app(self) -> web.Application:
         app = web.Application()
@@ -197,7 +214,7 @@ class ProxyServer:
             web.get("/admin/workers", self.workers_state),
             web.post("/admin/drain", self.drain),
             web.post("/admin/undrain", self.drain),
-            web.get("/metrics", self.prometheus),
+            web.get("/metrics", self.admin_prometheus),
         ])
         return app
 
@@ -206,20 +223,9 @@ class ProxyServer:
         return load_tokenizer(path)
 
     # ---- the request path ------------------------------------------------------------------------
-    async def _read_body(self, request: web.Request) -> bytes | web.Response:
-        """The whole body, or the 413 answer when it is over ``max_body_bytes``."""
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            self.metrics.count_request("413")
-            return error(413, f"request body over the {self.config.max_body_bytes}-byte limit",
-                         "RequestEntityTooLarge")
-
-    async def generate(self, request: web.Request) -> web.StreamResponse:
+    async def generate(self, request: Request) -> Response | None:
         started = time.monotonic()
-        raw = await self._read_body(request)
-        if isinstance(raw, web.Response):
-            return raw
+        raw = request.body  # whole, within max_body_bytes (a longer one was a 413 before it was read)
         try:
             salt = salt_rule(request.headers, self.config.tenant_header, self.config.tenant_missing)
             parsed = await self.parser.parse(raw, request.path, salt, self.fleet.max_model_len())
@@ -259,7 +265,6 @@ class ProxyServer:
         Returns the decode request's body; if the prefill failed (unreachable, an error, a timeout), the client's
         own: the decode worker then prefills it itself (aggregated), and the client sees no difference but the
         time."""
-        assert self._session is not None
         ep = self.core.endpoints.get(plan.worker_id)
         handle = self.core.dispatch(plan.request, plan.decision, plan.worker_id, time.monotonic())
         one = {"max_completion_tokens": 1} if parsed.chat and "max_completion_tokens" in parsed.body else {}
@@ -272,15 +277,17 @@ class ProxyServer:
         why = ""
         try:
             if ep is None:
-                raise aiohttp.ClientConnectionError(f"prefill worker {plan.worker_id} is gone")
-            timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s)
-            async with self._session.post(ep.url + path, data=body, headers=headers, timeout=timeout) as up:
+                raise UpstreamError(f"prefill worker {plan.worker_id} is gone")
+            up = await self._send("POST", ep.url, path, headers, body, self.config.prefill_timeout_s)
+            try:
                 answer = await up.read()
-                why = f"answered {up.status}"
-                ok = up.status == 200
+            finally:
+                up.release()
+            why = f"answered {up.status}"
+            ok = up.status == 200
             if ok:
                 params = _json_loads(answer).get("kv_transfer_params")
-        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as e:
+        except (UpstreamError, TimeoutError, ValueError, AttributeError) as e:
             ok, why = False, repr(e)
             self.fleet.mark_failure(plan.worker_id)
         except asyncio.CancelledError:
@@ -302,7 +309,7 @@ class ProxyServer:
         self.metrics.disagg.labels("fallback").inc()
         return parsed.raw
 
-    def _decide(self, rreq: RouteRequest, request: web.Request, started: float,
+    def _decide(self, rreq: RouteRequest, request: Request, started: float,
                 batch_index: int | None = None) -> Decision:
         decision = self.core.decide(rreq, time.monotonic())
         self.metrics.decision_seconds.observe(time.monotonic() - started)
@@ -311,7 +318,7 @@ class ProxyServer:
                            batch_index)
         return decision
 
-    def _refusal(self, decision: Decision, prefix: str = "") -> web.Response:
+    def _refusal(self, decision: Decision, prefix: str = "") -> Response:
         if decision.outcome == "shed":
             self.metrics.count_request("429")
             return error(429, prefix + "all workers are saturated; retry later", "TooManyRequests",
@@ -319,22 +326,28 @@ class ProxyServer:
         self.metrics.count_request("503")
         return error(503, prefix + decision.reason, "ServiceUnavailableError")
 
-    def _upstream_headers(self, request: web.Request, salt: SaltRule) -> dict[str, str]:
+    def _upstream_headers(self, request: Request, salt: SaltRule) -> list[tuple[str, str]]:
         drop = self._drop_headers[bool(salt.salt)]
-        return {k: v for k, v in request.headers.items() if k.lower() not in drop}
+        return [(k, v) for k, v in request.headers.items() if k.lower() not in drop]
 
-    def _upstream_url(self, base: str, path: str) -> URL:
-        """``base + path`` parsed, as aiohttp would parse the string (once per worker and path)."""
-        text = base + path
-        url = self._urls.get(text)
-        if url is None:
+    async def _send(self, method: str, base: str, path: str, headers: list[tuple[str, str]], body: bytes,
+                    timeout_s: float) -> UpstreamResponse:
+        """``method`` on the worker at ``base`` (its URL, parsed once), answered up to its headers."""
+        assert self._pool is not None
+        where = self._urls.get(base)
+        if where is None:
+            parts = urllib.parse.urlsplit(base)
+            tls = parts.scheme == "https"
+            if parts.hostname is None:
+                raise UpstreamError(f"worker URL {base!r} names no host")
             if len(self._urls) >= MAX_UPSTREAM_URLS:
                 self._urls.clear()
-            url = self._urls[text] = URL(text)
-        return url
+            where = self._urls[base] = (parts.hostname, parts.port or (443 if tls else 80), parts.path.rstrip("/"), tls)
+        host, port, prefix, tls = where
+        return await self._pool.request(method, host, port, prefix + path, headers, body, timeout_s, tls=tls)
 
-    async def _forward(self, request: web.Request, rreq: RouteRequest, parsed: ParsedRequest, decision: Decision,
-                       body: bytes, headers: dict[str, str], started: float) -> web.StreamResponse:
+    async def _forward(self, request: Request, rreq: RouteRequest, parsed: ParsedRequest, decision: Decision,
+                       body: bytes, headers: list[tuple[str, str]], started: float) -> Response | None:
         """Send to the best worker (``_connect``) and relay its answer."""
         handle, upstream, last_error = await self._connect(request.path, rreq, decision, body, headers)
         if upstream is None:
@@ -345,13 +358,12 @@ class ProxyServer:
         assert handle is not None
         return await self._relay(request, handle, parsed, upstream, started)
 
-    async def _connect(self, path: str, rreq: RouteRequest, decision: Decision, body: bytes, headers: dict[str, str],
-                       handle: Dispatch | None = None
-                       ) -> tuple[Dispatch | None, aiohttp.ClientResponse | None, str]:
+    async def _connect(self, path: str, rreq: RouteRequest, decision: Decision, body: bytes,
+                       headers: list[tuple[str, str]], handle: Dispatch | None = None
+                       ) -> tuple[Dispatch | None, UpstreamResponse | None, str]:
         """The best worker's response, its headers read; on a connection error or a 5xx before any byte, the
         next-best (the dispatch moves with it, and what the abandoned choice recorded is taken back). No
         response (None) and the last error when no worker answered; the handle is the caller's to end."""
-        assert self._session is not None
         last_error = "no worker answered"
         attempts = decision.ranked[: self.config.max_attempts]
         for attempt, wid in enumerate(attempts):
@@ -363,8 +375,8 @@ class ProxyServer:
             else:
                 handle.reassign(wid, time.monotonic())
             try:
-                upstream = await self._session.post(self._upstream_url(ep.url, path), data=body, headers=headers)
-            except (aiohttp.ClientConnectionError, TimeoutError) as e:
+                upstream = await self._send("POST", ep.url, path, headers, body, self.config.upstream_timeout_s)
+            except (UpstreamError, TimeoutError) as e:
                 last_error = f"worker {wid} unreachable: {e!r}"
                 self._failed(wid, attempt, len(attempts))
                 continue
@@ -380,8 +392,8 @@ class ProxyServer:
         return handle, None, last_error
 
     # ---- a completions batch, one routed request per prompt ------------------------------------------
-    async def _generate_batch(self, request: web.Request, parsed: ParsedRequest, salt: SaltRule,
-                              started: float) -> web.StreamResponse:
+    async def _generate_batch(self, request: Request, parsed: ParsedRequest, salt: SaltRule,
+                              started: float) -> Response:
         """Each prompt decided and dispatched in turn (so the next one's decision sees where the previous went:
         its load, its speculative prefix), before any is sent; then all forwarded at once, each with its own
         retries; the answers merged in prompt order. Any prompt refused at its decision refuses the batch
@@ -407,8 +419,8 @@ class ProxyServer:
             for *_, handle in plans:
                 handle.fail(now)
             raise
-        headers = {k: v for k, v in self._upstream_headers(request, salt).items() if k.lower() != "accept-encoding"}
-        headers["Accept-Encoding"] = "identity"  # each answer is read and merged here: not compressed
+        headers = [(k, v) for k, v in self._upstream_headers(request, salt) if k.lower() != "accept-encoding"]
+        headers.append(("Accept-Encoding", "identity"))  # each answer is read and merged here: not compressed
         try:
             answers = await asyncio.gather(*(self._answer(request.path, sub, rreq, decision, handle, headers)
                                              for sub, rreq, decision, handle in plans))
@@ -422,17 +434,17 @@ class ProxyServer:
             if a.status != 200:  # the batch fails with its first failed prompt, as vLLM fails a whole batch
                 self.metrics.count_request(a.status)
                 if a.body is not None and isinstance(a.body.get("message"), str):
-                    return web.json_response({**a.body, "message": f"prompt[{i}]: {a.body['message']}"},
-                                             status=a.status, headers=workers)
+                    return json_response({**a.body, "message": f"prompt[{i}]: {a.body['message']}"},
+                                         status=a.status, headers=workers)
                 kind = {502: "BadGatewayError", 503: "ServiceUnavailableError"}.get(a.status, "BadRequestError")
                 return error(a.status, f"prompt[{i}]: {a.message}", kind, workers)
         merged = merge_completions([a.body for a in answers if a.body is not None], parsed.n)
         self.metrics.ttft.observe(time.monotonic() - started)
         self.metrics.count_request("200")
-        return web.json_response(merged, headers=workers)
+        return json_response(merged, headers=workers)
 
     async def _answer(self, path: str, sub: ParsedRequest, rreq: RouteRequest, decision: Decision,
-                      handle: Dispatch, headers: dict[str, str]) -> _Answer:
+                      handle: Dispatch, headers: list[tuple[str, str]]) -> _Answer:
         """One prompt of a batch: forwarded with the retries of a lone request, its answer read whole."""
         _, upstream, last_error = await self._connect(path, rreq, decision, sub.raw, headers, handle)
         if upstream is None:
@@ -441,7 +453,7 @@ class ProxyServer:
         wid = handle.worker_id
         data = bytearray()
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream.chunks():
                 data += chunk
                 if len(data) > MAX_MERGED_BYTES:
                     upstream.close()
@@ -451,7 +463,7 @@ class ProxyServer:
             upstream.close()
             handle.complete(time.monotonic())
             raise
-        except (aiohttp.ClientError, TimeoutError) as e:  # the worker died mid-answer
+        except (UpstreamError, TimeoutError) as e:  # the worker died mid-answer
             log.warning("worker %s failed mid-response for %s: %r", wid, rreq.request_id, e)
             upstream.close()
             self.fleet.mark_failure(wid)
@@ -481,34 +493,32 @@ class ProxyServer:
         return _Answer(200, wid, body)
 
     # ---- /tokenize, /detokenize: the router's own tokenizer, no worker -------------------------------
-    async def tokenize(self, request: web.Request) -> web.Response:
-        raw = await self._read_body(request)
-        if isinstance(raw, web.Response):
-            return raw
+    async def tokenize(self, request: Request) -> Response:
         try:
-            answer = await self.parser.tokenizer_path(raw, request.path, self.fleet.max_model_len())
+            answer = await self.parser.tokenizer_path(request.body, request.path, self.fleet.max_model_len())
         except BadRequest as e:
             self.metrics.count_request(e.status)
             return error(e.status, str(e), e.kind)
         self.metrics.count_request("200")
-        return web.json_response(answer)
+        return json_response(answer)
 
     def _failed(self, wid: str, attempt: int, attempts: int) -> None:
         self.fleet.mark_failure(wid)
         if attempt + 1 < attempts:
             self.metrics.retries.inc()
 
-    def _answer_headers(self, upstream: aiohttp.ClientResponse, worker_id: str) -> dict[str, str]:
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
-        headers["x-kvrouter-worker"] = worker_id
+    @staticmethod
+    def _answer_headers(upstream: UpstreamResponse, worker_id: str) -> list[tuple[str, str]]:
+        headers = [(k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP]
+        headers.append(("x-kvrouter-worker", worker_id))
         return headers
 
-    async def _relay(self, request: web.Request, handle: Dispatch, parsed: ParsedRequest,
-                     upstream: aiohttp.ClientResponse, started: float) -> web.StreamResponse:
+    async def _relay(self, request: Request, handle: Dispatch, parsed: ParsedRequest,
+                     upstream: UpstreamResponse, started: float) -> Response | None:
         if not parsed.stream and upstream.content_length is not None and upstream.content_length <= WHOLE_BODY_BYTES:
             return await self._relay_whole(handle, upstream, started)
         wid, rid = handle.worker_id, handle.request.request_id
-        resp = web.StreamResponse(status=upstream.status, headers=self._answer_headers(upstream, wid))
+        resp: http1.StreamWriter | None = None
         tail = b""
         first = True
         streamed = parsed.stream
@@ -516,8 +526,8 @@ class ProxyServer:
         marker = RESPONSES_FIRST_TOKEN if streamed and parsed.kind == "responses" else b""
         last = b""
         try:
-            await resp.prepare(request)
-            async for chunk in upstream.content.iter_any():
+            resp = request.stream(upstream.status, self._answer_headers(upstream, wid))
+            async for chunk in upstream.chunks():
                 if first and (not marker or marker in last[-len(marker):] + chunk):
                     first = False
                     now = time.monotonic()
@@ -529,26 +539,26 @@ class ProxyServer:
                 # the usage is in the last SSE chunks, or in the (bounded) JSON body
                 tail = (tail + chunk)[-USAGE_TAIL_BYTES:] if streamed else (tail + chunk)[:MAX_JSON_TAIL_BYTES]
             await resp.write_eof()
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
+        except (ConnectionResetError, asyncio.CancelledError):
             # the client went away: dropping the upstream connection cancels the request on the worker
             upstream.close()
             handle.complete(time.monotonic())
             self.metrics.count_request("499")
             raise
-        except (aiohttp.ClientError, TimeoutError) as e:  # the worker died mid-response: nothing can be retried
+        except (UpstreamError, TimeoutError) as e:  # the worker died mid-response: nothing can be retried
             log.warning("worker %s failed mid-response for %s: %r", wid, rid, e)
             upstream.close()
             self.fleet.mark_failure(wid)
             handle.complete(time.monotonic())
             self.metrics.count_request("502")
             self.metrics.truncated.inc()
+            assert resp is not None  # it is made before the first read of the body
             await self._abort(request, resp, streamed and upstream.status == 200, f"worker {wid} failed: {e!r}")
-            return resp
+            return None
         self._answered(handle, upstream, tail, streamed, started)
-        return resp
+        return None
 
-    async def _relay_whole(self, handle: Dispatch, upstream: aiohttp.ClientResponse,
-                           started: float) -> web.Response:
+    async def _relay_whole(self, handle: Dispatch, upstream: UpstreamResponse, started: float) -> Response:
         """A non-streamed answer of known, bounded length, read whole and sent as one response: headers and
         body leave in one write, without chunked framing (relayed, they take three: headers, chunk, last chunk). A
         worker failing before its end is a clean 502, since the client has had nothing yet."""
@@ -560,7 +570,7 @@ class ProxyServer:
             handle.complete(time.monotonic())
             self.metrics.count_request("499")
             raise
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (UpstreamError, TimeoutError) as e:
             log.warning("worker %s failed mid-response for %s: %r", wid, handle.request.request_id, e)
             upstream.close()
             self.fleet.mark_failure(wid)
@@ -568,9 +578,9 @@ class ProxyServer:
             self.metrics.count_request("502")
             return error(502, f"worker {wid} failed: {e!r}", "BadGatewayError", {"x-kvrouter-worker": wid})
         self._answered(handle, upstream, body, False, started)
-        return web.Response(status=upstream.status, body=body, headers=self._answer_headers(upstream, wid))
+        return Response(upstream.status, body, self._answer_headers(upstream, wid))
 
-    def _answered(self, handle: Dispatch, upstream: aiohttp.ClientResponse, tail: bytes, streamed: bool,
+    def _answered(self, handle: Dispatch, upstream: UpstreamResponse, tail: bytes, streamed: bool,
                   started: float) -> None:
         """The worker's answer is complete: end the lifecycle, count it, and read its usage (``tail``: the last
         SSE chunks, or the JSON body)."""
@@ -590,16 +600,15 @@ class ProxyServer:
             self.metrics.prompt_tokens.inc(handle.request.prompt_tokens)
 
     @staticmethod
-    async def _abort(request: web.Request, resp: web.StreamResponse, sse: bool, message: str) -> None:
+    async def _abort(request: Request, resp: http1.StreamWriter, sse: bool, message: str) -> None:
         """End a response the client already has bytes of as a failure it can see: a stream gets an SSE error
         event (what vLLM sends, and what the OpenAI SDK raises on), then the connection is cut before the
         terminating chunk, so no client reads a truncated answer as a finished one."""
         if sse:
             event = {"error": {"message": message, "type": "BadGatewayError", "param": None, "code": 502}}
-            with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+            with contextlib.suppress(ConnectionError):
                 await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-        if request.transport is not None:
-            request.transport.close()  # flushes what was written, then closes: chunked encoding left unfinished
+        request.abort()  # flushes what was written, then closes: chunked encoding left unfinished
 
     def _log_decision(self, rid: str, client_rid: str | None, prompt_tokens: int, decision: Decision,
                       batch_index: int | None = None) -> None:
@@ -607,35 +616,40 @@ class ProxyServer:
         log.info("route %s -> %s (%s; %s)", rid, decision.chosen, decision.outcome, decision.reason)
 
     # ---- other endpoints ---------------------------------------------------------------------------
-    async def models(self, request: web.Request) -> web.Response:
-        assert self._session is not None
+    async def models(self, request: Request) -> Response:
         seen: dict[str, dict[str, Any]] = {}
         for ep in list(self.core.endpoints.values()):
             if not ep.healthy:
                 continue
             try:
-                async with self._session.get(ep.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    data = await r.json()
+                up = await self._send("GET", ep.url, "/v1/models", [("accept", "application/json")], b"", 2.0)
+                try:
+                    data = _json_loads(await up.read())
+                finally:
+                    up.release()
                 for m in data.get("data", []):
                     seen.setdefault(m.get("id"), m)
-            except (aiohttp.ClientError, TimeoutError, ValueError):
+            except (UpstreamError, TimeoutError, ValueError, AttributeError, TypeError):
                 continue
-        return web.json_response({"object": "list", "data": list(seen.values())})
+        return json_response({"object": "list", "data": list(seen.values())})
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: Request) -> Response:
         ready = any(ep.healthy and not ep.draining for ep in self.core.endpoints.values())
-        return web.json_response({"status": "ok" if ready else "no healthy workers"}, status=200 if ready else 503)
+        return json_response({"status": "ok" if ready else "no healthy workers"}, status=200 if ready else 503)
 
-    async def prometheus(self, request: web.Request) -> web.Response:
+    async def prometheus(self, request: Request) -> Response:
+        return Response(200, self.metrics.exposition(), {"content-type": "text/plain; charset=utf-8"})
+
+    async def admin_prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition(), content_type="text/plain", charset="utf-8")
 
     async def debug_decisions(self, request: web.Request) -> web.Response:
         try:
             n = int(request.query.get("n", "20"))
         except ValueError:
-            return error(400, "n must be an integer")
+            return admin_error(400, "n must be an integer")
         if n < 0:
-            return error(400, "n must not be negative")
+            return admin_error(400, "n must not be negative")
         return web.json_response({"decisions": self.recent_decisions(n)})
 
     def recent_decisions(self, n: int | None = None) -> list[dict[str, Any]]:
@@ -671,10 +685,10 @@ class ProxyServer:
     async def drain(self, request: web.Request) -> web.Response:
         wid = request.query.get("worker")
         if not wid:
-            return error(400, "?worker=ID is required")
+            return admin_error(400, "?worker=ID is required")
         draining = request.path.endswith("/drain")
         if not self.fleet.drain(wid, draining=draining):
-            return error(404, f"unknown worker {wid!r}", "NotFoundError")
+            return admin_error(404, f"unknown worker {wid!r}", "NotFoundError")
         if self.core.state.shared_load is not None:  # the other processes and replicas drain it too
             self.core.state.shared_load.local_drained(wid, draining)
         return web.json_response({"worker": wid, "draining": self.core.endpoints[wid].draining})
@@ -690,19 +704,20 @@ async def run_proxy(config: RouterConfig, slot: ProcessSlot | None = None) -> No
     if shared is not None:
         await shared.start()
     runners = []
-    sites = [(server.app(), config.listen)]
-    if slot is None or slot.serves_admin:
-        sites.append((server.admin_app(), config.admin))
+    api: asyncio.Server | None = None
     try:
-        for app, bind in sites:
-            runner = web.AppRunner(app, access_log=None)
+        api = await server.serve_api(config.listen.host, config.listen.port, reuse_port=slot is not None)
+        if slot is None or slot.serves_admin:
+            runner = web.AppRunner(server.admin_app(), access_log=None)
             await runner.setup()
-            await web.TCPSite(runner, bind.host, bind.port, reuse_port=slot is not None).start()
+            await web.TCPSite(runner, config.admin.host, config.admin.port, reuse_port=slot is not None).start()
             runners.append(runner)
         log.info("kvrouter serve: proxy on %s:%d, admin on %s:%d, policy %s", config.listen.host,
                  config.listen.port, config.admin.host, config.admin.port, config.routing.policy)
         await asyncio.Event().wait()
     finally:
+        if api is not None:
+            api.close()
         for runner in runners:
             await runner.cleanup()
         if shared is not None:

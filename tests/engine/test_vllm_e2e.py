@@ -6,7 +6,6 @@ import urllib.request
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from router.config import load_config
 from router.discovery import WorkerSpec, parse_worker_arg
@@ -45,16 +44,13 @@ async def proxy(engines, policy="precise", specs=None, **overrides):
     cfg.workers = [parse_worker_arg(x) for x in (specs or [e.spec for e in engines])]
     server = ProxyServer(cfg)
     await server.start()
-    runner = web.AppRunner(server.app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    api = await server.serve_api("127.0.0.1", 0)
+    port = api.sockets[0].getsockname()[1]
     await asyncio.sleep(0.5)
     try:
         yield server, f"http://127.0.0.1:{port}"
     finally:
-        await runner.cleanup()
+        api.close()
         await server.stop()
 
 
