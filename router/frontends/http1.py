@@ -352,7 +352,6 @@ class _UpstreamProtocol(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
         self.closed = False
-        self.used = False  # has carried a request before: a failure with no answer may be the idle-close race
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport subclasses
@@ -541,7 +540,6 @@ class UpstreamPool:
                 conn = await self._connect(host, port, tls, deadline)
             response = UpstreamResponse(conn, deadline)
             conn.response = response
-            conn.used = True
             assert conn.transport is not None
             conn.transport.write(data)
             try:

@@ -35,6 +35,7 @@ import msgspec
 from aiohttp import web
 
 from router.frontends.api_paths import api_path
+from router.frontends.http1 import error_body
 from router.keys import request_keys
 from router.scheduling import RouteRequest
 from router.tokenizer import PromptError, PromptTokenizer, context_error
@@ -77,8 +78,7 @@ def request_kind(path: str) -> str:
 def error_response(status: int, message: str, kind: str = "BadRequestError",
                    headers: dict[str, str] | None = None) -> web.Response:
     """An error as vLLM's OpenAI server shapes it (the proxy and the simulated worker both answer so)."""
-    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
-    return web.json_response(body, status=status, headers=headers)
+    return web.json_response(error_body(status, message, kind), status=status, headers=headers)
 
 
 class BadRequest(ValueError):
