@@ -590,7 +590,7 @@ class Soak:
                       "log_tracebacks": sum("Traceback" in line for line in log_lines),
                       "log_errors": sum(" ERROR " in line or " CRITICAL " in line for line in log_lines),
                       "log_warnings": sum(" WARNING " in line for line in log_lines),
-                      "log_non_warnings_first": [line for line in log_lines if " WARNING " not in line][:10]},
+                      "log_non_warnings_first": [line for line in log_lines if " WARNING " not in line][:40]},
         }
         out["good"]["failed_away_from_faults"] = dict(out["good"]["failed_away_from_faults"])
         failures = []

@@ -250,7 +250,7 @@ async def test_disagg_picker_names_the_prefill_worker_and_overwrites_a_clients_h
                 before = len(ws[1].seen.generate())
                 st, out = await post(s, url + "/v1/completions", {"prompt": SYSTEM + mode, "max_tokens": 4},
                                      headers={"x-prefiller-host-port": "10.6.6.6:1"})
-                assert st == 200 and out["choices"][0]["text"]
+                assert st == 200 and out["choices"][0]["text"], (mode, st, out)
                 seen = ws[1].seen.generate()[before:]
                 assert len(seen) == 1 and not ws[0].seen.generate()  # Envoy went to the decode worker only
                 assert seen[0].get("x-prefiller-host-port") == expect

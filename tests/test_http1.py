@@ -159,6 +159,29 @@ async def test_a_connection_the_worker_closed_while_idle_is_retried_on_a_new_one
     pool.close()
 
 
+async def test_every_idle_connection_dead_at_once_costs_one_retry_on_a_new_connection():
+    """A restarted worker leaves every connection kept alive to it dead. The retry takes a new connection, not
+    the next dead one from the pool (which once answered 500 "unreachable" in the soak test's worker kill)."""
+    async def one_answer_per_connection(reader, writer):  # the next request on it: closed, not a byte back
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.readuntil(b"\r\n\r\n")
+
+    pool = http1.UpstreamPool()
+    async with raw_worker(one_answer_per_connection) as (port, accepted):
+        first = await asyncio.gather(*(pool.request("GET", "127.0.0.1", port, "/x", [], b"", 5.0)
+                                       for _ in range(3)))
+        for r in first:
+            assert await r.read() == b"ok"
+            r.release()
+        assert len(accepted) == 3  # three kept alive, each dead to its next request
+        r = await pool.request("GET", "127.0.0.1", port, "/x", [], b"", 5.0)
+        assert (r.status, await r.read()) == (200, b"ok") and len(accepted) == 4
+        r.release()
+    pool.close()
+
+
 async def test_a_worker_dying_mid_body_is_an_upstream_error_and_a_whole_answer_reuses_the_connection():
     async def half(reader, writer):
         await reader.readuntil(b"\r\n\r\n")

@@ -533,8 +533,9 @@ class UpstreamPool:
         lines.append(b"content-length: %d\r\n\r\n" % len(body))
         lines.append(body)
         data = b"".join(lines)
-        for _ in range(2):
-            conn = self._take((host, port, tls))
+        key = (host, port, tls)
+        conn = self._take(key)
+        while True:
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(host, port, tls, deadline)
@@ -546,13 +547,16 @@ class UpstreamPool:
                 await response.start()
                 return response
             except UpstreamError:
-                if reused and not response.received:
-                    continue  # the worker closed it while it sat idle: once more, on a new connection
-                raise
+                if not reused or response.received:
+                    raise
+                # the worker closed it while it sat idle: once more, on a new connection. Its idle siblings
+                # are dropped too: a worker that restarted closed them all, and each would fail the same way
+                for idle in self._idle.pop(key, []):
+                    idle.abort()
+                conn = None
             except BaseException:
                 response.close()
                 raise
-        raise AssertionError("unreachable")
 
     async def _connect(self, host: str, port: int, tls: bool, deadline: float) -> _UpstreamProtocol:
         loop = asyncio.get_running_loop()
