@@ -54,6 +54,9 @@ class EppSettings:
     metrics_port: int = 9090
     fallbacks: int = 2  # endpoints after the pick in the envoy.lb list
     grace_s: float = 10.0  # on shutdown, open streams get this long to finish
+    # the ext_proc port's gRPC server: "kvrouter", HTTP/2 on asyncio protocols (router/frontends/h2grpc.py, a
+    # third of grpc.aio's CPU per pick); "grpcio", grpc.aio (gRPC's own C core), should a gateway's client need it
+    grpc_server: str = "kvrouter"
 
 
 @dataclass
@@ -320,6 +323,8 @@ def _finish(data: dict[str, Any], where: str) -> RouterConfig:
         raise ConfigError(str(e)) from None
     if cfg.max_attempts < 1:
         raise ConfigError("max_attempts must be at least 1")
+    if cfg.epp.grpc_server not in ("kvrouter", "grpcio"):
+        raise ConfigError(f"epp.grpc_server: expected kvrouter or grpcio, got {cfg.epp.grpc_server!r}")
     if cfg.tenant_missing not in ("reject", "no_salt"):
         raise ConfigError(f"tenant_missing: expected reject or no_salt, got {cfg.tenant_missing!r}")
     if cfg.events_bus is not None and cfg.events_bind is not None:

@@ -55,10 +55,12 @@ async def test_prefix_requests_land_on_the_holder_through_envoy(three_workers, t
         assert after[holder] - before[holder] == 4  # all four went to the worker holding the prefix
 
 
-async def test_streaming_a_2mb_body_and_a_forged_destination_header(three_workers, tmp_path):
+@pytest.mark.parametrize("grpc_server", ["kvrouter", "grpcio"])  # router/frontends/h2grpc.py, or grpc.aio
+async def test_streaming_a_2mb_body_and_a_forged_destination_header(three_workers, tmp_path, grpc_server):
     ws = three_workers
     specs = [spec(w, f"w{i}") for i, w in enumerate(ws)]
-    async with gateway(specs, tmp_path, policy="round_robin") as (url, picker, _), aiohttp.ClientSession() as s:
+    async with gateway(specs, tmp_path, policy="round_robin", grpc_server=grpc_server) as (url, picker, _), \
+            aiohttp.ClientSession() as s:
         body = {"prompt": SYSTEM, "max_tokens": 5, "stream": True}
         async with s.post(url + "/v1/completions", json=body) as r:
             assert r.status == 200

@@ -42,6 +42,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from router.config import RouterConfig
 from router.frontends.api_paths import GENERATE_PATHS, TOKENIZER_PATHS, api_path, is_api_path
 from router.frontends.fleet import Fleet, fleet_from_config
+from router.frontends.h2grpc import GrpcServer
 from router.frontends.metrics import RouterMetrics
 from router.frontends.openai import BadRequest, RequestParser, new_request_id, salt_rule
 from router.frontends.processes import ProcessSlot, start_shared_load
@@ -432,7 +433,8 @@ async def run_epp(config: RouterConfig, started: asyncio.Event | None = None,
     await web.TCPSite(runner, config.epp.metrics_host, config.epp.metrics_port, reuse_port=slot is not None).start()
     try:
         await serve_epp(core, fleet, picker, config.epp.port, config.epp.health_port, config.epp.host,
-                        started=started, grace_s=config.epp.grace_s, reuse_port=slot is not None)
+                        started=started, grace_s=config.epp.grace_s, reuse_port=slot is not None,
+                        grpc_server=config.epp.grpc_server)
     finally:
         await runner.cleanup()
         if shared is not None:
@@ -442,25 +444,33 @@ async def run_epp(config: RouterConfig, started: asyncio.Event | None = None,
 
 async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, port: int, health_port: int | None,
                     host: str = "0.0.0.0", max_message_bytes: int = 64 * 1024 * 1024,
-                    started: asyncio.Event | None = None, grace_s: float = 10.0, reuse_port: bool = False) -> None:
+                    started: asyncio.Event | None = None, grace_s: float = 10.0, reuse_port: bool = False,
+                    grpc_server: str = "kvrouter") -> None:
     """Serve ext_proc (and gRPC health, on ``health_port`` or the same port) until cancelled, then drain.
-    ``reuse_port``: one of several processes on these ports (the kernel spreads connections over them: a
-    gateway multiplexing every stream onto one HTTP/2 connection must be told to open several, e.g. Envoy's
-    cluster ``max_concurrent_streams`` at ``SHARED_PORT_MAX_STREAMS``; a server-side cap instead would refuse
-    the streams that race a closing one)."""
-    options = [("grpc.max_receive_message_length", max_message_bytes),
-               ("grpc.max_send_message_length", max_message_bytes)]
-    if reuse_port:
-        options.append(("grpc.so_reuseport", 1))
-    server = grpc.aio.server(options=options)
-    pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
+    ``grpc_server``: "kvrouter" (router/frontends/h2grpc.py) or "grpcio" (grpc.aio) on the ext_proc port; the
+    separate health port is always grpc.aio's (its ``Watch`` too). ``reuse_port``: one of several processes on
+    these ports (the kernel spreads connections over them: a gateway multiplexing every stream onto one HTTP/2
+    connection must be told to open several, e.g. Envoy's cluster ``max_concurrent_streams`` at
+    ``SHARED_PORT_MAX_STREAMS``; a server-side cap instead would refuse the streams that race a closing one)."""
     from router.frontends.rank import RankService
     from router.gen import picker_pb2_grpc
 
+    hs = health_servicer(fleet)
+    server: GrpcServer | grpc.aio.Server
+    if grpc_server == "kvrouter":
+        server = GrpcServer(max_message_bytes)
+    elif grpc_server == "grpcio":
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        if reuse_port:
+            options.append(("grpc.so_reuseport", 1))
+        server = grpc.aio.server(options=options)
+        server.add_insecure_port(f"{host}:{port}")
+    else:
+        raise ValueError(f"epp.grpc_server must be 'kvrouter' or 'grpcio', not {grpc_server!r}")
+    pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
     picker_pb2_grpc.add_PickerServicer_to_server(
         RankService(core, picker.tokenizer_for, picker.block_size, fleet.max_model_len), server)
-    hs = health_servicer(fleet)
-    server.add_insecure_port(f"{host}:{port}")
     health_server = None
     if health_port is None or health_port == port:
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -469,7 +479,10 @@ async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, por
         health_pb2_grpc.add_HealthServicer_to_server(hs, health_server)
         health_server.add_insecure_port(f"{host}:{health_port}")
         await health_server.start()
-    await server.start()
+    if isinstance(server, GrpcServer):
+        await server.start(host, port, reuse_port)
+    else:
+        await server.start()
     if started is not None:
         started.set()
     try:
