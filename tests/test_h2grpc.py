@@ -11,11 +11,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
+import hpack
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from router.frontends import h2grpc
 from router.frontends.h2grpc import PREFACE, GrpcServer
 
 pytestmark = pytest.mark.sockets
@@ -229,3 +231,50 @@ async def test_not_http2_and_an_oversized_frame_end_the_connection_with_goaway()
         got = await _raw(server.port, PREFACE + settings + huge)
         goaway = [f for f in _frames(got) if f[0] == 7]
         assert goaway and struct.unpack(">I", goaway[0][3][4:8])[0] == 6  # FRAME_SIZE_ERROR
+
+
+async def test_a_service_registered_only_as_a_generic_handler_is_served():
+    async def shout(request: bytes, ctx: Any) -> bytes:
+        return request.upper()
+
+    server = GrpcServer()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "demo.Echo", {"Shout": grpc.unary_unary_rpc_method_handler(shout)}),))
+    await server.start("127.0.0.1", 0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            assert await ch.unary_unary("/demo.Echo/Shout")(b"hello") == b"HELLO"
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await ch.unary_unary("/demo.Echo/Whisper")(b"")
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        await server.stop(0)
+
+
+async def test_a_stream_past_the_advertised_limit_is_refused_and_the_open_one_serves_on(monkeypatch):
+    monkeypatch.setattr(h2grpc, "MAX_STREAMS", 1)
+    async with served() as (server, _, _):
+        enc = hpack.Encoder()
+
+        def headers(sid: int, end_stream: bool) -> bytes:
+            block = enc.encode([(":method", "POST"), (":scheme", "http"), (":authority", "x"),
+                                (":path", "/envoy.service.ext_proc.v3.ExternalProcessor/Process"),
+                                ("content-type", "application/grpc"), ("te", "trailers")])
+            return struct.pack(">IBI", len(block) << 8 | 1, 0x4 | (0x1 if end_stream else 0), sid) + block
+
+        message = body_request(b"late").SerializeToString()
+        data = struct.pack(">BI", 0, len(message)) + message
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(PREFACE + struct.pack(">IBI", 0 << 8 | 4, 0, 0) + headers(1, False) + headers(3, True))
+        got = b""
+        while not any(f[0] == 3 and f[2] == 3 for f in _frames(got)):  # RST_STREAM on stream 3
+            got += await asyncio.wait_for(reader.read(65536), 10)
+        settings = next(f for f in _frames(got) if f[0] == 4 and not f[1] & 1)[3]
+        assert (3, 1) in [struct.unpack_from(">HI", settings, o) for o in range(0, len(settings), 6)]
+        rst = next(f for f in _frames(got) if f[0] == 3 and f[2] == 3)
+        assert struct.unpack(">I", rst[3])[0] == 7  # REFUSED_STREAM: the client may retry it elsewhere
+        writer.write(struct.pack(">IBI", len(data) << 8 | 0, 0x1, 1) + data)  # stream 1 is still served
+        while not any(f[0] == 1 and f[2] == 1 and f[1] & 0x1 for f in _frames(got)):  # its trailers
+            got += await asyncio.wait_for(reader.read(65536), 10)
+        assert b"late" in b"".join(f[3] for f in _frames(got) if f[0] == 0 and f[2] == 1)
+        writer.close()

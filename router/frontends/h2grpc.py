@@ -10,12 +10,13 @@ What it implements (RFC 9113 and gRPC's HTTP/2 mapping, the server's part): the 
 HPACK through the ``hpack`` library (the peer's dynamic table, Huffman), flow control both ways (a stream's
 received bytes are credited back while its handler keeps up, so a stalled handler holds at most a window;
 sends wait for the peer's window), PING, RST_STREAM both ways, GOAWAY for a graceful stop, gRPC's length-prefixed
-messages, trailers and trailers-only answers. Handlers are registered as grpcio's generated code registers them
-(``add_registered_method_handlers``), so servicers written for grpc.aio run unchanged: stream-stream, unary-unary
-and stream-unary handlers, sync or async, and async unary-stream ones. Not implemented: TLS (the picker's
-port is plaintext, as grpc.aio's ``add_insecure_port`` was), message compression (refused with UNIMPLEMENTED;
-gRPC clients compress only when told), and synchronous streaming handlers (grpc_health's ``Watch``: UNIMPLEMENTED;
-Kubernetes' and Envoy's probes call ``Check``).
+messages, trailers and trailers-only answers, SETTINGS_MAX_CONCURRENT_STREAMS (streams past it refused, so one
+connection holds a bounded number of windows). Handlers are registered as grpcio's generated code registers them
+(``add_registered_method_handlers``, ``add_generic_rpc_handlers``), so servicers written for grpc.aio run
+unchanged: stream-stream, unary-unary and stream-unary handlers, sync or async, and async unary-stream ones.
+Not implemented: TLS (the picker's port is plaintext, as grpc.aio's ``add_insecure_port`` was), message
+compression (refused with UNIMPLEMENTED; gRPC clients compress only when told), and synchronous streaming
+handlers (grpc_health's ``Watch``: UNIMPLEMENTED; Kubernetes' and Envoy's probes call ``Check``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
 S_HEADER_TABLE_SIZE, S_MAX_CONCURRENT_STREAMS, S_INITIAL_WINDOW_SIZE, S_MAX_FRAME_SIZE, S_MAX_HEADER_LIST_SIZE = (
     1, 3, 4, 5, 6)
 NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR, STREAM_CLOSED, FRAME_SIZE_ERROR = 0, 1, 2, 3, 5, 6
-CANCEL, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 8, 9, 11
+REFUSED_STREAM, CANCEL, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 7, 8, 9, 11
 
 RECV_WINDOW = 4 * 1024 * 1024  # what each stream may send ahead of its handler (grpc-core's BDP ceiling)
 CONN_WINDOW = 16 * 1024 * 1024  # what the connection may send ahead, all streams together
@@ -50,6 +51,7 @@ DEFAULT_WINDOW = 65535  # RFC 9113's initial window, until the peer's SETTINGS s
 MAX_WINDOW = 2**31 - 1
 DEFAULT_FRAME = 16384
 MAX_HEADER_LIST = 64 * 1024  # decoded request headers per stream (grpc-core's default is 16 KiB)
+MAX_STREAMS = 1024  # open streams per connection: with RECV_WINDOW, what one connection can make us hold
 
 _FRAME = struct.Struct(">IBI")  # length (24 bits) and type, flags, stream id (31 bits)
 _PREFIX = struct.Struct(">BI")  # gRPC message: compressed flag, length
@@ -251,8 +253,8 @@ class H2Connection(asyncio.Protocol):
         self.peername = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else ("", 0)
         self.server.connections.add(self)
         settings = b"".join(_SETTING.pack(k, v) for k, v in (
-            (S_INITIAL_WINDOW_SIZE, RECV_WINDOW), (S_MAX_FRAME_SIZE, DEFAULT_FRAME),
-            (S_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST)))
+            (S_MAX_CONCURRENT_STREAMS, MAX_STREAMS), (S_INITIAL_WINDOW_SIZE, RECV_WINDOW),
+            (S_MAX_FRAME_SIZE, DEFAULT_FRAME), (S_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST)))
         self.out.append(_frame(SETTINGS, 0, 0, settings))
         self.out.append(_frame(WINDOW_UPDATE, 0, 0, _U32.pack(CONN_WINDOW - DEFAULT_WINDOW)))
         self.flush()
@@ -400,12 +402,12 @@ class H2Connection(asyncio.Protocol):
                 self._connection_error(PROTOCOL_ERROR, f"a client stream with an even id {sid}")
             return  # a stream we closed: its late frames are ignored
         self.last_stream = sid
-        if self.draining or self.server.stopping:
-            self.out.append(_frame(RST_STREAM, 0, sid, _U32.pack(7)))  # REFUSED_STREAM: the client retries
+        if self.draining or self.server.stopping or len(self.streams) >= MAX_STREAMS:
+            self.out.append(_frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))  # the client retries
             return
         stream = self.streams[sid] = _Stream(self, sid, fields)
         headers = dict(fields)
-        handler = self.server.methods.get(headers.get(":path", ""))
+        handler = self.server.handler_for(headers.get(":path", ""), stream)
         if headers.get(":method") != "POST" or not headers.get("content-type", "").startswith("application/grpc"):
             self._finish(stream, INTERNAL, "gRPC requires POST with content-type application/grpc")
         elif handler is None:
@@ -624,12 +626,19 @@ class H2Connection(asyncio.Protocol):
             self._close_if_idle()
 
 
+class _CallDetails(grpc.HandlerCallDetails):
+    def __init__(self, method: str, invocation_metadata: tuple[tuple[str, str], ...]) -> None:
+        self.method = method
+        self.invocation_metadata = invocation_metadata
+
+
 class GrpcServer:
     """gRPC over ``H2Connection``: register servicers with grpcio's generated ``add_*_to_server``."""
 
     def __init__(self, max_message_bytes: int = 64 * 1024 * 1024) -> None:
         self.max_message_bytes = max_message_bytes
         self.methods: dict[str, Handler] = {}
+        self.generic: list[Any] = []  # grpc.GenericRpcHandler: asked for methods not registered by name
         self.connections: set[H2Connection] = set()
         self.stopping = False
         self._server: asyncio.Server | None = None
@@ -639,13 +648,23 @@ class GrpcServer:
         if self._drained is not None and not any(c.streams for c in self.connections):
             self._drained.set()
 
-    # grpcio's generated registration calls both; the registered handlers carry everything needed
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        pass
+        """grpcio's registration: generated code since 1.62 also registers each method by name (below)."""
+        self.generic.extend(handlers)
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, Handler]) -> None:
         for name, handler in handlers.items():
             self.methods[f"/{service}/{name}"] = handler
+
+    def handler_for(self, path: str, stream: _Stream) -> Handler | None:
+        handler = self.methods.get(path)
+        if handler is None and self.generic:
+            details = _CallDetails(path, ServicerContext(stream).invocation_metadata())
+            for generic in self.generic:
+                handler = generic.service(details)
+                if handler is not None:
+                    break
+        return handler
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> None:
         loop = asyncio.get_running_loop()
