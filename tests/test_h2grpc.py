@@ -278,3 +278,18 @@ async def test_a_stream_past_the_advertised_limit_is_refused_and_the_open_one_se
             got += await asyncio.wait_for(reader.read(65536), 10)
         assert b"late" in b"".join(f[3] for f in _frames(got) if f[0] == 0 and f[2] == 1)
         writer.close()
+
+
+def test_a_header_block_kept_decoded_is_decoded_afresh_once_the_dynamic_table_moves():
+    conn = h2grpc.H2Connection(GrpcServer())
+    enc = hpack.Encoder()
+    first = enc.encode([("x-a", "1")])  # a literal the table keeps: dynamic index 62 is x-a: 1
+    assert conn.decode_header_block(first) == [("x-a", "1")]
+    by_index = b"\xbe"  # "dynamic index 62": whatever the table holds there now
+    assert conn.decode_header_block(by_index) == [("x-a", "1")]
+    assert conn.decode_header_block(by_index) == [("x-a", "1")]  # answered as kept: the table did not move
+    assert conn.decode_header_block(enc.encode([("x-b", "2")])) == [("x-b", "2")]  # now 62 is x-b: 2
+    assert conn.decode_header_block(by_index) == [("x-b", "2")]
+    path = b"\x04\x04/s/M"  # :path as Envoy sends it: a literal without indexing (RFC 7541 6.2.2)
+    assert conn.decode_header_block(path) == [(":path", "/s/M")]
+    assert path in conn.known_blocks and conn.decode_header_block(path) == [(":path", "/s/M")]

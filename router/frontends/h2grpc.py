@@ -51,6 +51,7 @@ DEFAULT_WINDOW = 65535  # RFC 9113's initial window, until the peer's SETTINGS s
 MAX_WINDOW = 2**31 - 1
 DEFAULT_FRAME = 16384
 MAX_HEADER_LIST = 64 * 1024  # decoded request headers per stream (grpc-core's default is 16 KiB)
+KNOWN_BLOCKS = 64  # header blocks kept decoded per connection (decode_header_block)
 MAX_STREAMS = 1024  # open streams per connection: with RECV_WINDOW, what one connection can make us hold
 
 _FRAME = struct.Struct(">IBI")  # length (24 bits) and type, flags, stream id (31 bits)
@@ -232,6 +233,7 @@ class H2Connection(asyncio.Protocol):
         self.buf = bytearray()
         self.preface_seen = False
         self.decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
+        self.known_blocks: dict[bytes, list[tuple[str, str]]] = {}  # decode_header_block's answers
         self.streams: dict[int, _Stream] = {}
         self.last_stream = 0
         self.peer_initial_window = DEFAULT_WINDOW
@@ -386,9 +388,26 @@ class H2Connection(asyncio.Protocol):
         else:
             self.continuing = (sid, flags, bytearray(block))
 
+    def decode_header_block(self, block: bytes) -> list[tuple[str, str]]:
+        """The block's fields. A gateway sends every pick's stream the same block (its fields indexed, its
+        ``:path`` a literal kept out of the table), and hpack decodes in Python: a block that left the
+        dynamic table as it found it is kept, and answered again while the table stays as it is (any block
+        that changes the table forgets them all)."""
+        known = self.known_blocks.get(block)
+        if known is not None:
+            return known
+        table = self.decoder.header_table
+        before = tuple(table.dynamic_entries)
+        fields = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.decoder.decode(block, raw=True)]
+        if tuple(table.dynamic_entries) != before:
+            self.known_blocks.clear()
+        elif len(self.known_blocks) < KNOWN_BLOCKS:
+            self.known_blocks[block] = fields
+        return fields
+
     def _header_block(self, flags: int, sid: int, block: bytes) -> None:
         try:
-            fields = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.decoder.decode(block, raw=True)]
+            fields = self.decode_header_block(block)
         except hpack.HPACKError as e:  # the table is now out of step with the peer's: the connection is lost
             self._connection_error(COMPRESSION_ERROR, f"header block: {e}")
             return
