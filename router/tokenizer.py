@@ -135,12 +135,16 @@ class PromptTokenizer:
         """Texts already checked for length, in one call (it releases the GIL). One short text (the common
         request) goes through ``encode``: the same ids without the batch call's hand-off to its thread pool, which
         cost the proxy several percent of its CPU per request; a text it refuses is refused by the batch call
-        below, so the message is the one it always was."""
+        below, so the message is the one it always was. The batch call is ``encode_batch_fast``: the same ids
+        without the character offsets nothing here reads (0.65-0.8x the CPU of ``encode_batch`` on texts of 2K
+        characters and more, measured once; on one short text the thread pool's hand-off costs more than it saves).
+        """
         if len(texts) == 1 and len(texts[0]) <= SINGLE_ENCODE_CHARS:
             with contextlib.suppress(TypeError, ValueError, UnicodeError):
                 return [self.tokenizer.encode(texts[0], add_special_tokens=add_special_tokens).ids]
         try:
-            return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
+            batch = getattr(self.tokenizer, "encode_batch_fast", None) or self.tokenizer.encode_batch  # (< 0.20)
+            return [e.ids for e in batch(texts, add_special_tokens=add_special_tokens)]
         except (TypeError, ValueError, UnicodeError) as e:  # a lone surrogate is not valid UTF-8 text
             raise PromptError(f"the prompt cannot be tokenized: {e}") from None
 

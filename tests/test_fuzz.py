@@ -926,3 +926,20 @@ def test_a_well_formed_stream_is_routed_with_the_tenant_salt_and_completed(body,
     forwarded = b"".join(r.request_body.response.body_mutation.streamed_response.body for r in routed[1:])
     assert json.loads(forwarded)["cache_salt"] == tenant  # the header's salt, whatever the body said
     check_no_load_left(core)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.text(min_size=0, max_size=6000), min_size=1, max_size=4), st.booleans())
+@example(["a lone surrogate \ud800", "fine"], False)
+@example(["word " * 1000, "<|im_start|>user\nhi<|im_end|>"], True)
+def test_every_way_of_encoding_a_prompt_gives_the_ids_encode_gives(texts, special):
+    """One short text inline, a long one and several through the batch call without offsets: the same ids as
+    ``Tokenizer.encode`` text by text (a text it refuses is refused, with a client's error)."""
+    try:
+        want = [TOK.tokenizer.encode(t, add_special_tokens=special).ids for t in texts]
+    except Exception:
+        with pytest.raises(PromptError):
+            TOK._encode_texts(texts, special)
+        return
+    assert TOK._encode_texts(texts, special) == want
+    assert [TOK._encode_texts([t], special)[0] for t in texts] == want
