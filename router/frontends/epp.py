@@ -110,6 +110,23 @@ def _lb_metadata(addresses: tuple[str, ...]) -> struct_pb2.Struct:
     return md
 
 
+@functools.lru_cache(maxsize=4096)
+def _routed(addresses: tuple[str, ...], prefiller: str | None = None) -> pb.ProcessingResponse:
+    """The request headers' answer to a pick of ``addresses`` (the endpoint, then its fallbacks): the same
+    message for every pick of them, so built once and shared (a message here is only ever serialized)."""
+    return pb.ProcessingResponse(
+        request_headers=pb.HeadersResponse(response=pb.CommonResponse(
+            header_mutation=_header_mutation(addresses[0], prefiller), clear_route_cache=True)),
+        dynamic_metadata=_lb_metadata(addresses))
+
+
+# the answers that carry nothing, shared like ``_routed``'s
+_REQUEST_HEADERS_GO_ON = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+_REQUEST_TRAILERS_GO_ON = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+_RESPONSE_HEADERS_GO_ON = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+_RESPONSE_TRAILERS_GO_ON = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+
 def _immediate(status: int, message: str, retry_after: int | None = None) -> pb.ProcessingResponse:
     body = json.dumps({"object": "error", "message": message, "code": status}).encode()
     return _immediate_json(status, body, message[:200], retry_after)
@@ -128,10 +145,7 @@ def _immediate_json(status: int, body: bytes, details: str, retry_after: int | N
 
 
 def _headers_of(msg: pb.HttpHeaders) -> dict[str, str]:
-    out = {}
-    for h in msg.headers.headers:
-        out[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
-    return out
+    return {h.key.lower(): h.raw_value.decode("latin-1") if h.raw_value else h.value for h in msg.headers.headers}
 
 
 class EndpointPicker(pb_grpc.ExternalProcessorServicer):
@@ -178,7 +192,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                     elif req.request_headers.end_of_stream:  # no body (GET /v1/models): any ready endpoint
                         yield self._route_bodyless(st)
                     elif not st.full_duplex:
-                        yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+                        yield _REQUEST_HEADERS_GO_ON
                 elif kind == "request_body":
                     st.body += req.request_body.body
                     if st.handle is not None:  # a body that ends twice: refuse, and end what was dispatched
@@ -194,7 +208,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                         for out in await self._route(st):
                             yield out
                 elif kind == "request_trailers":
-                    yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+                    yield _REQUEST_TRAILERS_GO_ON
                 elif kind == "response_headers":
                     st.status = _headers_of(req.response_headers).get(":status", st.status)
                     st.responded = True
@@ -205,7 +219,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                             st.handle.first_token(time.monotonic(), learn=False)  # the headers precede the token
                     if req.response_headers.end_of_stream:
                         self._finish(st)
-                    yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+                    yield _RESPONSE_HEADERS_GO_ON
                 elif kind == "response_body":
                     chunk = req.response_body.body
                     if not st.first_byte and chunk:
@@ -222,7 +236,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                             body=chunk, end_of_stream=req.response_body.end_of_stream)))))
                 elif kind == "response_trailers":
                     self._finish(st)
-                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+                    yield _RESPONSE_TRAILERS_GO_ON
         finally:
             self._prefill_done(st)
             if st.handle is not None and not st.handle.ended:
@@ -252,11 +266,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         decision = self.core.decide(rreq, time.monotonic())
         if decision.outcome != "routed":
             return self._refusal(decision)
-        addrs = self._addresses(decision)
-        return pb.ProcessingResponse(
-            request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-                header_mutation=_header_mutation(addrs[0]), clear_route_cache=True)),
-            dynamic_metadata=_lb_metadata(tuple(addrs)))
+        return _routed(self._addresses(decision))
 
     async def _route(self, st: _Stream) -> list[pb.ProcessingResponse]:
         path = st.headers.get(":path", "").split("?")[0]
@@ -306,13 +316,13 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 self.metrics.disagg.labels("local").inc()
         addrs = self._addresses(decision)
         st.handle = self.core.dispatch(rreq, decision, decision.ranked[0], time.monotonic())
-        common = pb.CommonResponse(header_mutation=_header_mutation(addrs[0], prefiller), clear_route_cache=True)
-        md = _lb_metadata(tuple(addrs))
         if not st.full_duplex:  # BUFFERED: headers already answered; mutate them with the body response
+            common = pb.CommonResponse(header_mutation=_header_mutation(addrs[0], prefiller), clear_route_cache=True)
             if body != bytes(st.body):
                 common.body_mutation.body = body
-            return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)]
-        out = [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=md)]
+            return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
+                                          dynamic_metadata=_lb_metadata(addrs))]
+        out = [_routed(addrs, prefiller)]
         chunks = [body[i : i + MAX_CHUNK] for i in range(0, len(body), MAX_CHUNK)] or [b""]
         for i, chunk in enumerate(chunks):
             out.append(pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
@@ -320,9 +330,9 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                     body=chunk, end_of_stream=i == len(chunks) - 1))))))
         return out
 
-    def _addresses(self, decision: Decision) -> list[str]:
-        ids = decision.ranked[: 1 + self.fallbacks]
-        return [self.core.endpoints[w].address for w in ids]
+    def _addresses(self, decision: Decision) -> tuple[str, ...]:
+        endpoints = self.core.endpoints
+        return tuple(endpoints[w].address for w in decision.ranked[: 1 + self.fallbacks])
 
     def _refusal(self, decision: Decision) -> pb.ProcessingResponse:
         if decision.outcome == "shed":
