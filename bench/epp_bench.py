@@ -29,6 +29,7 @@ from router.frontends.envoy_config import bootstrap
 from router.frontends.epp import SHARED_PORT_MAX_STREAMS
 
 PROCESSES = 2
+C1_PER_ROUND = 100  # sequential requests a target a round, in ``against_revision``
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -120,7 +121,8 @@ def against_revision(revision: str, rounds: int = 4, n: int = 600, body_mode: st
                      ) -> dict[str, Any]:
     """``kvrouter epp`` of this tree against the same of git ``revision``, one process each, each behind its own
     Envoy on the lighter stream (response headers only), and Envoy alone, in one run: interleaved rounds of
-    requests/s at concurrency 32 and the pickers' CPU per pick."""
+    latency at concurrency 1 (p50, and what the picker adds to Envoy alone's), then of requests/s at
+    concurrency 32 and the pickers' CPU per pick."""
     import os
     import subprocess
     import sys
@@ -156,6 +158,10 @@ def against_revision(revision: str, rounds: int = 4, n: int = 600, body_mode: st
             urls[name], pids[name] = f"http://127.0.0.1:{listen}", proc.pid
         rps: dict[str, list[float]] = {k: [] for k in urls}
         cpu: dict[str, list[float]] = {k: [] for k in pids}
+        lat: dict[str, list[float]] = {k: [] for k in urls}
+        for r in range(rounds):  # concurrency 1 first: what a pick adds to one request's latency
+            for name in list(urls) if r % 2 == 0 else list(urls)[::-1]:
+                lat[name] += asyncio.run(_c1([urls[name]], C1_PER_ROUND, r * C1_PER_ROUND))
         for r in range(rounds):
             for name in list(urls) if r % 2 == 0 else list(urls)[::-1]:
                 before = _cpu_s(pids[name]) if name in pids else 0.0
@@ -165,12 +171,14 @@ def against_revision(revision: str, rounds: int = 4, n: int = 600, body_mode: st
                 rps[name].append(res.rps)
                 if name in pids:
                     cpu[name].append((_cpu_s(pids[name]) - before) * 1e3 / n)
-    alone = statistics.median(rps["envoy"])
-    out: dict[str, Any] = {"envoy": {"rps_c32": round(alone, 1)}}
+    alone, alone_p50 = statistics.median(rps["envoy"]), statistics.median(lat["envoy"])
+    out: dict[str, Any] = {"envoy": {"rps_c32": round(alone, 1), "p50_ms_c1": round(alone_p50, 3)}}
     for name in pids:
         out[name] = {"rps_c32": round(statistics.median(rps[name]), 1),
                      "rps_c32_vs_envoy": round(statistics.median(rps[name]) / alone, 3),
-                     "cpu_ms_per_pick": round(statistics.median(cpu[name]), 3)}
+                     "cpu_ms_per_pick": round(statistics.median(cpu[name]), 3),
+                     "p50_ms_c1": round(statistics.median(lat[name]), 3),
+                     "added_p50_ms_c1": round(statistics.median(lat[name]) - alone_p50, 3)}
     return out
 
 
