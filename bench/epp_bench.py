@@ -117,18 +117,21 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def against_revision(revision: str, rounds: int = 4, n: int = 600, body_mode: str = "FULL_DUPLEX_STREAMED"
-                     ) -> dict[str, Any]:
+def against_revision(revision: str, rounds: int = 4, n: int = 600, body_mode: str = "FULL_DUPLEX_STREAMED",
+                     ceiling: bool = False) -> dict[str, Any]:
     """``kvrouter epp`` of this tree against the same of git ``revision``, one process each, each behind its own
     Envoy on the lighter stream (response headers only), and Envoy alone, in one run: interleaved rounds of
     latency at concurrency 1 (p50, and what the picker adds to Envoy alone's), then of requests/s at
-    concurrency 32 and the pickers' CPU per pick."""
+    concurrency 32 and the pickers' CPU per pick. ``ceiling``: a third picker that does no work
+    (bench/null_picker.py) behind a fourth Envoy, what the stream itself allows."""
     import os
     import subprocess
     import sys
 
     from bench.load import build_extensions, port_open, running
 
+    if ceiling and body_mode != "FULL_DUPLEX_STREAMED":
+        raise ValueError("the no-work picker answers the full-duplex request body only")
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                           check=True).stdout.strip()
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="kvrouter-ab-") as tmp:
@@ -156,6 +159,15 @@ def against_revision(revision: str, rounds: int = 4, n: int = 600, body_mode: st
                             response_mode="headers", body_mode=body_mode)
             stack.enter_context(envoy_process(cfg, Path(tmp)))
             urls[name], pids[name] = f"http://127.0.0.1:{listen}", proc.pid
+        if ceiling:
+            port = free_port()
+            proc = stack.enter_context(running([sys.executable, "-m", "bench.null_picker", str(port), ",".join(addrs)],
+                                               port_open(port), 60, "null picker", cwd=root))
+            listen = free_port()
+            cfg = bootstrap(listen_port=listen, admin_port=free_port(), picker_port=port, workers=addrs,
+                            response_mode="headers", body_mode=body_mode)
+            stack.enter_context(envoy_process(cfg, Path(tmp)))
+            urls["no-work picker"], pids["no-work picker"] = f"http://127.0.0.1:{listen}", proc.pid
         rps: dict[str, list[float]] = {k: [] for k in urls}
         cpu: dict[str, list[float]] = {k: [] for k in pids}
         lat: dict[str, list[float]] = {k: [] for k in urls}
@@ -187,5 +199,7 @@ if __name__ == "__main__":  # python -m bench.epp_bench --baseline REV
     cli.add_argument("--baseline", required=True, help="a git revision, e.g. HEAD~3")
     cli.add_argument("--rounds", type=int, default=4)
     cli.add_argument("--body-mode", default="FULL_DUPLEX_STREAMED", choices=("FULL_DUPLEX_STREAMED", "BUFFERED"))
+    cli.add_argument("--ceiling", action="store_true", help="also a picker that does no work (bench/null_picker.py)")
     given = cli.parse_args()
-    print(json.dumps(against_revision(given.baseline, given.rounds, body_mode=given.body_mode), indent=2))
+    print(json.dumps(against_revision(given.baseline, given.rounds, body_mode=given.body_mode,
+                                      ceiling=given.ceiling), indent=2))

@@ -22,6 +22,7 @@ from router.load import EngineMetrics
 from router.scheduling.cost import CostParams
 from router.scheduling.disagg import DisaggParams, PrefillPlan, plan_prefill
 from router.scheduling.lifecycle import Dispatch
+from router.scheduling.masks import all_slots, any_set, set_slots
 from router.scheduling.plugins.base import Scorer
 from router.scheduling.plugins.filters.admission import SATURATED
 from router.scheduling.profiles import (
@@ -153,7 +154,7 @@ class RoutingCore:
         snap = Snapshot(self.state, req, now)
         decision = Decision(profile.name)
         n = snap.size
-        passing = np.ones(n, dtype=bool)
+        passing = all_slots(n)
         reasons = snap.reasons
         if exclude:
             for wid in exclude:
@@ -164,20 +165,20 @@ class RoutingCore:
         for f in profile.filters:
             ok = f.mask(snap)
             if ok is None:  # a per-candidate filter: asked of the slots still in
-                for i in np.flatnonzero(passing).tolist():
+                for i in set_slots(passing).tolist():
                     why = f.filter(snap, snap.candidate(i))
                     if why:
                         passing[i] = False
                         reasons[i] = why
                 continue
             dropped = passing & ~ok
-            if dropped.any():
-                for i in np.flatnonzero(dropped).tolist():
+            if any_set(dropped):
+                for i in set_slots(dropped).tolist():
                     reasons[i] = f.reason(snap, i)
                 passing &= ok
         for i in snap._built:  # candidates a per-candidate filter built carry their verdict
             snap.candidate(i).filtered = reasons.get(i)
-        eligible = np.flatnonzero(passing)
+        eligible = set_slots(passing)
         filtered = sorted(reasons)
         if not len(eligible):
             saturated = any(reasons[i] == SATURATED for i in filtered)
@@ -207,7 +208,7 @@ class RoutingCore:
         decision.uncached_tokens = req.prompt_tokens - hit_tokens(chosen.matched_blocks, req.block_size,
                                                                   req.prompt_tokens)
         decision.predicted_ttft_s = chosen.ttft_s or None
-        if profile.uses_prefix and not snap.credit[eligible].any():
+        if profile.uses_prefix and not any_set(snap.credit[eligible]):
             decision.reason = "load only: no worker's index is synced and fresh"
         elif chosen.ttft_s:
             decision.reason = f"{profile.name}: min estimated TTFT {chosen.ttft_s * 1e3:.1f} ms"

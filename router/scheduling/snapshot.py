@@ -21,6 +21,7 @@ import numpy as np
 from router.index import Medium, PrefixMatch
 from router.load import EngineMetrics, WorkerLoad, tail_blocks
 from router.scheduling.cost import CostModel
+from router.scheduling.masks import all_set, all_slots
 from router.scheduling.state import FleetState
 from router.scheduling.types import REPORT_FIELDS, CandidateReport, Endpoint, RouteRequest
 
@@ -50,6 +51,9 @@ class Candidate(CandidateReport):
         if m is not None and m.running is not None and m.waiting is not None:
             load = max(load, m.running + m.waiting)
         return load
+
+
+POSITIONS_TABLE = 64  # up to this many slots ``_positions`` builds a table (a lookup in it: tens of ns)
 
 
 class Snapshot:
@@ -86,7 +90,7 @@ class Snapshot:
             st = state.index_state_of(wid, self.endpoint_list[i], feeds.get(wid), now)
             if st != "synced":
                 self.states[i] = st
-        self.credit = np.ones(n, dtype=bool)  # prefix credit: only a synced index earns it
+        self.credit = all_slots(n)  # prefix credit: only a synced index earns it
         if self.states:
             self.credit[list(self.states)] = False
         self.inflight = cols.requests.copy()  # as the decision saw it (the columns move on)
@@ -330,11 +334,11 @@ class Snapshot:
 
 
 def _positions(slots: np.ndarray) -> Callable[[int], int | None]:
-    """Where each slot is in ``slots`` (None: not there): a binary search when they are in order, as the
-    filters leave them, else a table."""
-    if len(slots) < 2 or bool((slots[1:] > slots[:-1]).all()):
+    """Where each slot is in ``slots`` (None: not there): a table, or for many slots in order (as the filters
+    leave them) a binary search, which builds nothing."""
+    if len(slots) > POSITIONS_TABLE and all_set(slots[1:] > slots[:-1]):
         def find(i: int) -> int | None:
-            k = int(np.searchsorted(slots, i))
+            k = int(slots.searchsorted(i))
             return k if k < len(slots) and slots[k] == i else None
         return find
     return {s: k for k, s in enumerate(slots.tolist())}.get

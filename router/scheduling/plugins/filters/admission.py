@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from router.scheduling.masks import all_slots
 from router.scheduling.plugins.base import Filter
 from router.scheduling.snapshot import Candidate, Snapshot
 
@@ -37,7 +38,7 @@ class Admission(Filter):
 
     def mask(self, snap: Snapshot) -> np.ndarray:
         p, cols = self.params, snap.cols
-        ok = np.ones(snap.size, dtype=bool)
+        ok = all_slots(snap.size)
         busy = cols.has_load & (cols.requests > 0)
         if p.max_inflight_requests is not None:
             ok &= ~(cols.has_load & (cols.requests >= p.max_inflight_requests))

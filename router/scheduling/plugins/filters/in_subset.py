@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from router.scheduling.masks import all_slots
 from router.scheduling.plugins.base import Filter
 from router.scheduling.snapshot import Candidate, Snapshot
 
@@ -22,7 +23,7 @@ class InSubset(Filter):
     def mask(self, snap: Snapshot) -> np.ndarray:
         subset = snap.request.subset
         if subset is None:
-            return np.ones(snap.size, dtype=bool)
+            return all_slots(snap.size)
         return np.fromiter((wid in subset or ep.address in subset for wid, ep in zip(snap.ids, snap.endpoint_list,
                                                                                     strict=True)),
                            dtype=bool, count=snap.size)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from router.scheduling.columns import ROLE_CODES
+from router.scheduling.masks import all_slots
 from router.scheduling.plugins.base import Filter
 from router.scheduling.snapshot import Candidate, Snapshot
 from router.scheduling.types import Endpoint
@@ -23,7 +24,7 @@ class ServesModel(Filter):
         model, lora, role, eps = req.model, req.lora, req.role, snap.endpoint_list
         if not lora and (model is None or not cols.any_models):  # every worker serves the model: roles only
             if cols.all_roles_both:
-                return np.ones(snap.size, dtype=bool)  # the usual fleet
+                return all_slots(snap.size)  # the usual fleet
             if role in ROLE_CODES:
                 return (cols.role_code == ROLE_CODES["both"]) | (cols.role_code == ROLE_CODES[role])
         # ``Endpoint.serves`` written inline: a method call per worker is most of this filter's cost

@@ -20,6 +20,7 @@ import numpy as np
 
 from router.scheduling.cost import CostParams, Estimates
 from router.scheduling.engine_profile import StepTiming
+from router.scheduling.masks import all_set, any_set, set_slots
 from router.scheduling.plugins.base import Scorer
 from router.scheduling.scalar_ops import SCALAR_OPS
 from router.scheduling.snapshot import Candidate, Snapshot
@@ -68,7 +69,7 @@ class LatencyCost(Scorer):
         cols = snap.cols
         match = snap.match_arrays()
         # every worker in order (the usual case): the columns as they are, no copies
-        sel = slice(None) if len(slots) == snap.size and bool((slots == np.arange(snap.size)).all()) else slots
+        sel = slice(None) if len(slots) == snap.size and all_set(slots == np.arange(snap.size)) else slots
         c = SimpleNamespace(
             has_load=cols.has_load[sel], requests=cols.requests[sel], decoding=cols.decoding[sel],
             active=cols.active_blocks[sel], pending=cols.pending[sel], capacity=cols.capacity[sel],
@@ -92,8 +93,8 @@ class LatencyCost(Scorer):
         pending, running, kv, cap, used, new, need, over = _inputs(np, c, n_keys, tail, bs, costs.params)
         # memory wait: only where its blocks do not fit beside what the requests in flight hold
         wait = np.zeros(len(slots))
-        if need.any():
-            at = np.flatnonzero(need)
+        if any_set(need):
+            at = set_slots(need)
             if len(at) <= SCALAR_WAITS:  # a few: each worker's own binary search costs less than the arrays
                 for k, i, blocks, a, capacity in zip(at.tolist(), slots[at].tolist(), over[at].tolist(),
                                                      c.active[at].tolist(), c.capacity[at].tolist(), strict=True):
@@ -104,7 +105,7 @@ class LatencyCost(Scorer):
                 wait[at] = cols.release_waits(slots[at], over[at], step, snap.now)
         known = c.capacity > 0
         resident = np.zeros(len(slots))
-        if known.any():
+        if any_set(known):
             resident[known] = snap.resident_blocks(slots[known]) * snap._state.block_size
         arrays = _objective_columns(np, snap, c, pending, running, kv, cap, used, new, resident, wait)
         return costs.estimate_many(arrays, snap.reuse)  # type: ignore[arg-type]
