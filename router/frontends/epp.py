@@ -144,8 +144,18 @@ def _immediate_json(status: int, body: bytes, details: str, retry_after: int | N
         body=body, details=details))
 
 
-def _headers_of(msg: pb.HttpHeaders) -> dict[str, str]:
-    return {h.key.lower(): h.raw_value.decode("latin-1") if h.raw_value else h.value for h in msg.headers.headers}
+def _headers_of(msg: pb.HttpHeaders, names: frozenset[str]) -> dict[str, str]:
+    """The headers of ``names`` (lower-case) the message carries: only those values are decoded (the picker
+    reads three of a request's dozen headers, one of a response's)."""
+    out = {}
+    for h in msg.headers.headers:
+        key = h.key.lower()
+        if key in names:
+            out[key] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+    return out
+
+
+_RESPONSE_HEADERS_READ = frozenset({":status"})
 
 
 class EndpointPicker(pb_grpc.ExternalProcessorServicer):
@@ -161,6 +171,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         self.tenant_header = tenant_header.lower() if tenant_header else None
         self.tenant_missing = tenant_missing
         self.session_header = session_header.lower()
+        self.headers_read = frozenset({":path", self.session_header, *((self.tenant_header,) if tenant_header else ())})
         self.max_body_bytes = max_body_bytes
         self.fallbacks = fallbacks
         self.parser = RequestParser(tokenizer_for)
@@ -183,7 +194,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                     st.full_duplex = req.protocol_config.request_body_mode == FULL_DUPLEX
                     st.response_bodies = req.protocol_config.response_body_mode != BODY_NONE
                 if kind == "request_headers":
-                    st.headers = _headers_of(req.request_headers)
+                    st.headers = _headers_of(req.request_headers, self.headers_read)
                     st.subset = self._subset(req)
                     if not is_api_path(st.headers.get(":path", "")):  # worker control paths never pass
                         st.refused = True
@@ -210,7 +221,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 elif kind == "request_trailers":
                     yield _REQUEST_TRAILERS_GO_ON
                 elif kind == "response_headers":
-                    st.status = _headers_of(req.response_headers).get(":status", st.status)
+                    st.status = _headers_of(req.response_headers, _RESPONSE_HEADERS_READ).get(":status", st.status)
                     st.responded = True
                     self._served(st, req)
                     if not st.response_bodies:  # headers only: the worker has started answering
