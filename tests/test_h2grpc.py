@@ -293,3 +293,5 @@ def test_a_header_block_kept_decoded_is_decoded_afresh_once_the_dynamic_table_mo
     path = b"\x04\x04/s/M"  # :path as Envoy sends it: a literal without indexing (RFC 7541 6.2.2)
     assert conn.decode_header_block(path) == [(":path", "/s/M")]
     assert path in conn.known_blocks and conn.decode_header_block(path) == [(":path", "/s/M")]
+    big = b"\x04" + h2grpc._hpack_int(2000, 7) + b"/" * 2000  # decoded, but not kept: memory a block is bounded
+    assert conn.decode_header_block(big) == [(":path", "/" * 2000)] and big not in conn.known_blocks

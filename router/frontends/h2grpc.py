@@ -51,7 +51,8 @@ DEFAULT_WINDOW = 65535  # RFC 9113's initial window, until the peer's SETTINGS s
 MAX_WINDOW = 2**31 - 1
 DEFAULT_FRAME = 16384
 MAX_HEADER_LIST = 64 * 1024  # decoded request headers per stream (grpc-core's default is 16 KiB)
-KNOWN_BLOCKS = 64  # header blocks kept decoded per connection (decode_header_block)
+KNOWN_BLOCKS = 64  # header blocks kept decoded per connection (decode_header_block), each of at most
+KNOWN_BLOCK_BYTES = 1024  # bytes (Envoy's for a pick: about 100), so that a connection keeps at most 64 KiB
 MAX_STREAMS = 1024  # open streams per connection: with RECV_WINDOW, what one connection can make us hold
 
 _FRAME = struct.Struct(">IBI")  # length (24 bits) and type, flags, stream id (31 bits)
@@ -401,7 +402,7 @@ class H2Connection(asyncio.Protocol):
         fields = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.decoder.decode(block, raw=True)]
         if tuple(table.dynamic_entries) != before:
             self.known_blocks.clear()
-        elif len(self.known_blocks) < KNOWN_BLOCKS:
+        elif len(self.known_blocks) < KNOWN_BLOCKS and len(block) <= KNOWN_BLOCK_BYTES:
             self.known_blocks[block] = fields
         return fields
 
