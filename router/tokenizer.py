@@ -90,6 +90,8 @@ class PromptTokenizer:
         p = Path(path)
         file = p / "tokenizer.json" if p.is_dir() else p
         self.tokenizer = Tokenizer.from_file(str(file))
+        # the batch call without character offsets (tokenizers >= 0.20), else the one with them
+        self._encode_batch = getattr(self.tokenizer, "encode_batch_fast", None) or self.tokenizer.encode_batch
         config_file = file.parent / "tokenizer_config.json"
         config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.exists() else {}
         self.bos_token = config.get("bos_token") or ""
@@ -143,8 +145,7 @@ class PromptTokenizer:
             with contextlib.suppress(TypeError, ValueError, UnicodeError):
                 return [self.tokenizer.encode(texts[0], add_special_tokens=add_special_tokens).ids]
         try:
-            batch = getattr(self.tokenizer, "encode_batch_fast", None) or self.tokenizer.encode_batch  # (< 0.20)
-            return [e.ids for e in batch(texts, add_special_tokens=add_special_tokens)]
+            return [e.ids for e in self._encode_batch(texts, add_special_tokens=add_special_tokens)]
         except (TypeError, ValueError, UnicodeError) as e:  # a lone surrogate is not valid UTF-8 text
             raise PromptError(f"the prompt cannot be tokenized: {e}") from None
 

@@ -110,14 +110,17 @@ def _lb_metadata(addresses: tuple[str, ...]) -> struct_pb2.Struct:
     return md
 
 
+def _destination(address: str, prefiller: str | None) -> pb.CommonResponse:
+    """The pick's mutation of the request: its destination (and prefill worker), the route recomputed."""
+    return pb.CommonResponse(header_mutation=_header_mutation(address, prefiller), clear_route_cache=True)
+
+
 @functools.lru_cache(maxsize=4096)
 def _routed(addresses: tuple[str, ...], prefiller: str | None = None) -> pb.ProcessingResponse:
     """The request headers' answer to a pick of ``addresses`` (the endpoint, then its fallbacks): the same
     message for every pick of them, so built once and shared (a message here is only ever serialized)."""
-    return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-            header_mutation=_header_mutation(addresses[0], prefiller), clear_route_cache=True)),
-        dynamic_metadata=_lb_metadata(addresses))
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=_destination(addresses[0], prefiller)),
+                                 dynamic_metadata=_lb_metadata(addresses))
 
 
 # the answers that carry nothing, shared like ``_routed``'s
@@ -328,7 +331,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         addrs = self._addresses(decision)
         st.handle = self.core.dispatch(rreq, decision, decision.ranked[0], time.monotonic())
         if not st.full_duplex:  # BUFFERED: headers already answered; mutate them with the body response
-            common = pb.CommonResponse(header_mutation=_header_mutation(addrs[0], prefiller), clear_route_cache=True)
+            common = _destination(addrs[0], prefiller)  # its own: the body mutation goes on it
             if body != bytes(st.body):
                 common.body_mutation.body = body
             return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),

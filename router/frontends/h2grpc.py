@@ -669,7 +669,7 @@ class GrpcServer:
             self._drained.set()
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        """grpcio's registration: generated code since 1.62 also registers each method by name (below)."""
+        """grpcio's registration; newer generated code also registers each method by name (below)."""
         self.generic.extend(handlers)
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, Handler]) -> None:

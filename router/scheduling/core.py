@@ -208,7 +208,7 @@ class RoutingCore:
         decision.uncached_tokens = req.prompt_tokens - hit_tokens(chosen.matched_blocks, req.block_size,
                                                                   req.prompt_tokens)
         decision.predicted_ttft_s = chosen.ttft_s or None
-        if profile.uses_prefix and not any_set(snap.credit[eligible]):
+        if profile.uses_prefix and not snap.prefix_credited():
             decision.reason = "load only: no worker's index is synced and fresh"
         elif chosen.ttft_s:
             decision.reason = f"{profile.name}: min estimated TTFT {chosen.ttft_s * 1e3:.1f} ms"
@@ -270,5 +270,4 @@ class SnapshotReports:
         return list(self._snap.candidates_at(self._order))
 
     def prefix_credited(self) -> bool:
-        snap = self._snap
-        return bool(snap.credit[snap.eligible_slots].any())
+        return self._snap.prefix_credited()

@@ -21,7 +21,7 @@ import numpy as np
 from router.index import Medium, PrefixMatch
 from router.load import EngineMetrics, WorkerLoad, tail_blocks
 from router.scheduling.cost import CostModel
-from router.scheduling.masks import all_set, all_slots
+from router.scheduling.masks import all_set, all_slots, any_set
 from router.scheduling.state import FleetState
 from router.scheduling.types import REPORT_FIELDS, CandidateReport, Endpoint, RouteRequest
 
@@ -136,6 +136,10 @@ class Snapshot:
         self._eligible = slots
         self._eligible_list = None
         self._match_arrays = self._matched = None
+
+    def prefix_credited(self) -> bool:
+        """Whether any eligible slot's index earns prefix credit (else the decision was on load alone)."""
+        return any_set(self.credit[self._eligible])
 
     def index_state(self, i: int) -> str:
         return self.states.get(i, "synced")
