@@ -22,7 +22,7 @@ from router.load import EngineMetrics
 from router.scheduling.cost import CostParams
 from router.scheduling.disagg import DisaggParams, PrefillPlan, plan_prefill
 from router.scheduling.lifecycle import Dispatch
-from router.scheduling.masks import all_slots, any_set, set_slots
+from router.scheduling.masks import all_set, all_slots, any_set, set_slots
 from router.scheduling.plugins.base import Scorer
 from router.scheduling.plugins.filters.admission import SATURATED
 from router.scheduling.profiles import (
@@ -170,6 +170,8 @@ class RoutingCore:
                     if why:
                         passing[i] = False
                         reasons[i] = why
+                continue
+            if all_set(ok):  # (the usual case: it drops no one)
                 continue
             dropped = passing & ~ok
             if any_set(dropped):

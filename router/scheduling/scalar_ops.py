@@ -16,71 +16,59 @@ as numpy's does (the shared code never divides by a value it masks afterwards).
 from __future__ import annotations
 
 import math
+import sys
 
 
-def _maximum(a: float, b: float) -> float:
+def maximum(a: float, b: float) -> float:
     if a != a or b != b:  # NaN: numpy's maximum propagates it, Python's max would not
         return math.nan
     return a if a >= b else b
 
 
-def _minimum(a: float, b: float) -> float:
+def minimum(a: float, b: float) -> float:
     if a != a or b != b:
         return math.nan
     return a if a <= b else b
 
 
-def _where(cond: bool, a: float, b: float) -> float:
+def where(cond: bool, a: float, b: float) -> float:
     return a if cond else b
 
 
-def _clip(x: float, lo: float, hi: float) -> float:
-    return _minimum(_maximum(x, lo), hi)
+def clip(x: float, lo: float, hi: float) -> float:
+    return minimum(maximum(x, lo), hi)
 
 
-def _ceil(x: float) -> float:
+def ceil(x: float) -> float:
     return float(math.ceil(x)) if math.isfinite(x) else x
 
 
-def _trunc(x: float) -> float:
+def trunc(x: float) -> float:
     return float(math.trunc(x)) if math.isfinite(x) else x
 
 
-def _asarray(x: float, dtype: type = float) -> float:
+def asarray(x: float, dtype: type = float) -> float:
     return dtype(x)
 
 
-def _logical_and(a: bool, b: bool) -> bool:
+def logical_and(a: bool, b: bool) -> bool:
     return bool(a) and bool(b)
 
 
-def _logical_not(a: bool) -> bool:
+def logical_not(a: bool) -> bool:
     return not a
 
 
-def _ones_like(x: float) -> float:
+def ones_like(x: float) -> float:
     return 1.0
 
 
-def _floor_divide(a: float, b: float) -> float:
+def floor_divide(a: float, b: float) -> float:
     return a // b
 
 
-class ScalarOps:
-    """The functions, by numpy's names (``xp.maximum``, ``xp.where``...)."""
+isnan = math.isnan
 
-    maximum = staticmethod(_maximum)
-    minimum = staticmethod(_minimum)
-    where = staticmethod(_where)
-    clip = staticmethod(_clip)
-    ceil = staticmethod(_ceil)
-    trunc = staticmethod(_trunc)
-    isnan = staticmethod(math.isnan)
-    asarray = staticmethod(_asarray)
-    logical_and = staticmethod(_logical_and)
-    logical_not = staticmethod(_logical_not)
-    ones_like = staticmethod(_ones_like)
-    floor_divide = staticmethod(_floor_divide)
-
-
-SCALAR_OPS = ScalarOps()
+# the namespace the shared code calls them through, as it calls numpy's: this module itself (a module's
+# attributes are the quickest Python lookups there are)
+SCALAR_OPS = sys.modules[__name__]

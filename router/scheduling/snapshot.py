@@ -105,7 +105,6 @@ class Snapshot:
         self._score_pos: Callable[[int], int | None] | None = None
         self._match_arrays: dict[str, np.ndarray] | None = None
         self._matched: dict[str, PrefixMatch | None] | None = None
-        self._best_held = 0
         self._tail: int | None = None
 
     @property
@@ -241,11 +240,6 @@ class Snapshot:
             self._matched = held
         return self._matched
 
-    def best_held(self) -> int:
-        """The most prompt blocks any eligible candidate holds."""
-        self.match_arrays()
-        return self._best_held
-
     def match_arrays(self) -> dict[str, np.ndarray]:
         """The eligible slots' credited prefix, by tier, and the speculative one (0 elsewhere): int arrays by
         slot, ``matched_gpu``, ``matched_cpu``, ``matched_storage``, ``speculative``. What was sent to a worker
@@ -256,12 +250,13 @@ class Snapshot:
         req, state, n = self.request, self._state, self.size
         spec = state.speculative.match(req.keys, self.now) if req.keys else {}
         # the index's answer by the index's own slots, moved to this fleet's (workers it knows, the fleet not)
-        raw = tuple(np.zeros(n, dtype=np.int64) for _ in range(3))
-        self._raw_matches = raw
-        g, c, s, sp = (np.zeros(n, dtype=np.int64) for _ in range(4))
-        eligible = np.zeros(n, dtype=bool)
-        eligible[self._eligible] = True
+        rows = np.zeros((7, n), dtype=np.int64)  # (one allocation: a decision over a few workers is all overhead)
+        raw = self._raw_matches = (rows[0], rows[1], rows[2])
+        g, c, s, sp = rows[3], rows[4], rows[5], rows[6]
         found = state.index.match_lengths(req.keys) if req.keys else None
+        if spec or (found is not None and len(found[0])):
+            eligible = np.zeros(n, dtype=bool)
+            eligible[self._eligible] = True
         if found is not None and len(found[0]):
             to_fleet = self.cols.index_slots(state.index)[1]
             islots = found[0]
@@ -283,7 +278,6 @@ class Snapshot:
             sp[i] = blocks
             if blocks > g[i] + c[i] + s[i]:  # blocks on their way to this worker: count them as they will be
                 g[i], c[i], s[i] = blocks, 0, 0
-        self._best_held = int((g + c + s).max()) if n else 0
         self._match_arrays = a = {"matched_gpu": g, "matched_cpu": c, "matched_storage": s, "speculative": sp}
         for i in self._built:
             cand = self._cands[i]

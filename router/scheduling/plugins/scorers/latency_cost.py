@@ -10,7 +10,6 @@ the search for the blocks it shares with them."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -18,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from router.index import Medium
 from router.scheduling.cost import CostParams, Estimates
 from router.scheduling.engine_profile import StepTiming
 from router.scheduling.masks import all_set, any_set, set_slots
@@ -40,8 +40,6 @@ SCALAR_WAITS = 32
 # whatever its size, and the objective is a hundred of them (router/scheduling/scalar_ops.py; tests run both)
 SCALAR_CANDIDATES = 6
 
-_N_TERMS = len(dataclasses.fields(Estimates))
-_WEIGHT = [f.name for f in dataclasses.fields(Estimates)].index("kv_load_weight")
 
 _REPORTED = ("queue_s", "prefill_s", "decode_s", "ttft_s", "stall_s", "interference_s", "eviction_s", "step_s",
              "model_ttft_s", "model_step_s")
@@ -66,21 +64,14 @@ class LatencyCost(Scorer):
     def score_slots(self, snap: Snapshot, slots: np.ndarray) -> np.ndarray:
         """Every candidate priced by one formula (``_inputs``, then ``CostModel.terms``): on arrays over the
         candidates, or, up to ``SCALAR_CANDIDATES`` of them, on each one's floats (the same scores, sooner)."""
-        cols = snap.cols
+        if len(slots) <= SCALAR_CANDIDATES:
+            return self._priced_each(snap, slots)
         match = snap.match_arrays()
         # every worker in order (the usual case): the columns as they are, no copies
-        sel = slice(None) if len(slots) == snap.size and all_set(slots == np.arange(snap.size)) else slots
-        c = SimpleNamespace(
-            has_load=cols.has_load[sel], requests=cols.requests[sel], decoding=cols.decoding[sel],
-            active=cols.active_blocks[sel], pending=cols.pending[sel], capacity=cols.capacity[sel],
-            fresh=snap.fresh[sel], waiting=cols.waiting[sel], running=cols.running[sel], kv=cols.kv[sel],
-            shared=snap.shared_prefix_blocks(slots), gpu=match["matched_gpu"][sel], cpu=match["matched_cpu"][sel],
-            storage=match["matched_storage"][sel], output_tokens=cols.output_tokens[sel],
-            ttft_slope=cols.ttft_slope[sel], decode_slope=cols.decode_slope[sel])
-        if len(slots) <= SCALAR_CANDIDATES:
-            est = self._priced_each(snap, slots, c)
-        else:
-            est = self._priced_at_once(snap, slots, c)
+        sel = _selection(snap, slots)
+        c = SimpleNamespace(**{name: column[sel] for name, column in _candidate_columns(snap, match).items()},
+                            shared=snap.shared_prefix_blocks(slots))
+        est = self._priced_at_once(snap, slots, c)
         snap.set_reports(slots, queue_s=est.queue_s, prefill_s=est.prefill_s, decode_s=est.decode_s,
                          ttft_s=est.queue_s + est.prefill_s, stall_s=est.stall_s,
                          interference_s=est.stall_s + est.slowdown_s, eviction_s=est.eviction_s, step_s=est.step_s,
@@ -110,29 +101,58 @@ class LatencyCost(Scorer):
         arrays = _objective_columns(np, snap, c, pending, running, kv, cap, used, new, resident, wait)
         return costs.estimate_many(arrays, snap.reuse)  # type: ignore[arg-type]
 
-    def _priced_each(self, snap: Snapshot, slots: np.ndarray, c: SimpleNamespace) -> Estimates:
+    def _priced_each(self, snap: Snapshot, slots: np.ndarray) -> np.ndarray:
+        """``score_slots`` candidate by candidate, on Python numbers from end to end: each one's inputs read off
+        the columns as floats, ``_inputs`` and ``CostModel.terms`` with ``SCALAR_OPS``, the reports and the
+        totals summed in ``Estimates.scores``' order (IEEE doubles either way: the same to the last bit)."""
         req, costs = snap.request, snap.costs
         p = costs.params
         bs, n_keys, tail, reuse = req.block_size, len(req.keys), snap.tail, snap.reuse
-        names = list(vars(c))
-        columns = [getattr(c, name).tolist() for name in names]
-        resident_of: dict[int, float] = {}
-        known = [k for k, capacity in enumerate(c.capacity.tolist()) if capacity > 0]
-        if known:
-            resident_of = dict(zip(known, (snap.resident_blocks(slots[known]) * snap._state.block_size).tolist(),
-                                   strict=True))
+        sel = _selection(snap, slots)
+        at = slots.tolist()
+        named = _candidate_columns(snap, snap.match_arrays())
+        names = [*named, "shared"]
+        columns = [column[sel].tolist() for column in named.values()]
+        columns.append(snap.shared_prefix_blocks(slots).tolist())
+        index, ids, block_size = snap._state.index, snap.ids, snap._state.block_size
         rows = []
         one = SimpleNamespace()
-        for k, (i, values) in enumerate(zip(slots.tolist(), zip(*columns, strict=True), strict=True)):
+        for i, values in zip(at, zip(*columns, strict=True), strict=True):
             one.__dict__.update(zip(names, values, strict=True))
             pending, running, kv, cap, used, new, need, over = _inputs(SCALAR_OPS, one, n_keys, tail, bs, p)
             wait = _release_wait_s(snap, i, over, one.active, one.capacity) if need else 0.0
-            one_row = _objective_columns(SCALAR_OPS, snap, one, pending, running, kv, cap, used, new,
-                                         resident_of.get(k, 0.0), wait)
+            # what the GPU cache holds, by the index (``Snapshot.resident_blocks`` of this one slot)
+            resident = float(index.blocks_held_on(ids[i], Medium.GPU)) * block_size if one.capacity > 0 else 0.0
+            one_row = _objective_columns(SCALAR_OPS, snap, one, pending, running, kv, cap, used, new, resident, wait)
             rows.append(costs.terms(SCALAR_OPS, one_row, reuse))  # type: ignore[arg-type]
-        columns_of = list(np.array(rows, dtype=float).reshape(len(rows), _N_TERMS).T)  # one conversion
-        columns_of[_WEIGHT] = p.kv_load_weight  # (Estimates' one field that is not per candidate)
-        return Estimates(*columns_of)
+        if not rows:
+            return np.zeros(0)
+        queue, prefill, decode, _, stall, slowdown, eviction, _, step, model_ttft, model_step = (
+            list(term) for term in zip(*rows, strict=True))
+        w = p.kv_load_weight if self.params.kv_load_weight is None else self.params.kv_load_weight
+        snap.set_reports(slots, queue_s=queue, prefill_s=prefill, decode_s=decode,
+                         ttft_s=[q + f for q, f in zip(queue, prefill, strict=True)], stall_s=stall,
+                         interference_s=[s + d for s, d in zip(stall, slowdown, strict=True)], eviction_s=eviction,
+                         step_s=step, model_ttft_s=model_ttft, model_step_s=model_step)
+        return np.array([q + f + s + e + w * (d + o) for q, f, s, e, d, o
+                         in zip(queue, prefill, stall, eviction, decode, slowdown, strict=True)])
+
+
+def _selection(snap: Snapshot, slots: np.ndarray) -> slice | np.ndarray:
+    """What picks ``slots`` out of the fleet's columns: every worker in order (the usual case) takes the columns
+    as they are, no copies."""
+    return slice(None) if len(slots) == snap.size and all_set(slots == np.arange(snap.size)) else slots
+
+
+def _candidate_columns(snap: Snapshot, match: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The fleet's columns ``_inputs`` and ``_objective_columns`` read, by the names they read them by (every
+    slot: the caller selects the candidates'); ``shared``, computed per candidate, is the caller's."""
+    cols = snap.cols
+    return {"has_load": cols.has_load, "requests": cols.requests, "decoding": cols.decoding,
+            "active": cols.active_blocks, "pending": cols.pending, "capacity": cols.capacity, "fresh": snap.fresh,
+            "waiting": cols.waiting, "running": cols.running, "kv": cols.kv, "gpu": match["matched_gpu"],
+            "cpu": match["matched_cpu"], "storage": match["matched_storage"], "output_tokens": cols.output_tokens,
+            "ttft_slope": cols.ttft_slope, "decode_slope": cols.decode_slope}
 
 
 def _inputs(xp: Any, c: SimpleNamespace, n_keys: int, tail: int, bs: int, p: CostParams) -> tuple:
