@@ -13,7 +13,7 @@ import pytest
 from router.events.feed import WorkerFeed
 from router.index import Medium
 from router.load import EngineMetrics, tail_blocks
-from router.scheduling import Endpoint, RouteRequest, RoutingConfig, RoutingCore
+from router.scheduling import Endpoint, RouteRequest, RoutingConfig, RoutingCore, snapshot
 from router.scheduling.cost import Columns
 from router.scheduling.plugins.base import Filter, Scorer
 from router.scheduling.plugins.filters.admission import Admission, AdmissionParams
@@ -36,12 +36,13 @@ NOW = 100.0
 @pytest.fixture(autouse=True, params=["small-fleet paths", "array paths", "scalar objective"])
 def paths(request, monkeypatch):
     """Every test three times: with the scorer's and the picker's few-worker shortcuts (the objective on each
-    candidate's floats, a scalar memory wait per worker, Python's sort) as they are; with the arrays forced for
-    any fleet; and with the objective priced candidate by candidate for any fleet."""
+    candidate's floats, a scalar memory wait per worker, the prefix match row by row, Python's sort) as they are;
+    with the arrays forced for any fleet; and with the objective priced candidate by candidate for any fleet."""
     if request.param == "array paths":
         monkeypatch.setattr(latency_cost, "SCALAR_WAITS", 0)
         monkeypatch.setattr(latency_cost, "SCALAR_CANDIDATES", 0)
         monkeypatch.setattr(min_score, "SORTED_UP_TO", 0)
+        monkeypatch.setattr(snapshot, "FEW_HOLDERS", 0)
     elif request.param == "scalar objective":
         monkeypatch.setattr(latency_cost, "SCALAR_CANDIDATES", 1 << 30)
 
@@ -423,6 +424,24 @@ def test_the_index_answer_lands_on_each_workers_own_slot(layout):
         w: core.index.blocks_held_on(w, Medium.GPU) for w in names}
     assert core.index.blocks_held_on("w7", Medium.GPU) == 1
     assert snap.matches()["w5"] == core.index.match(keys).get("w5")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_prefix_match_row_by_row_equals_the_arrays(seed, monkeypatch):
+    """A few holders of the prompt's first block are visited one by one (``FEW_HOLDERS``): every slot's
+    credited and raw match, eligible or not, is what the array form gives."""
+    core, req = random_fleet(seed, n=random.Random(seed).randrange(1, 9))
+    keep = np.array([i for i in range(len(core.endpoints)) if random.Random(seed + i).random() < 0.7], dtype=np.int64)
+
+    def answer(few: int) -> tuple:
+        monkeypatch.setattr(snapshot, "FEW_HOLDERS", few)
+        snap = Snapshot(core.state, req, NOW)
+        snap.set_eligible_slots(keep)
+        arrays = snap.match_arrays()
+        return ({name: a.tolist() for name, a in arrays.items()}, [a.tolist() for a in snap._raw_matches],
+                snap.matches())
+
+    assert answer(1 << 30) == answer(0)
 
 
 @pytest.mark.parametrize("n", [0, 1, 33, min_score._DRAWS_BY_BITS - 1, min_score._DRAWS_BY_BITS, 1000])

@@ -54,6 +54,9 @@ class Candidate(CandidateReport):
 
 
 POSITIONS_TABLE = 64  # up to this many slots ``_positions`` builds a table (a lookup in it: tens of ns)
+# up to this many workers holding the prompt's first block, ``match_arrays`` visits each (a dozen numpy calls
+# cost more than a few rows; tests run both)
+FEW_HOLDERS = 8
 
 
 class Snapshot:
@@ -257,7 +260,18 @@ class Snapshot:
         if spec or (found is not None and len(found[0])):
             eligible = np.zeros(n, dtype=bool)
             eligible[self._eligible] = True
-        if found is not None and len(found[0]):
+        if found is not None and 0 < len(found[0]) <= FEW_HOLDERS:  # their rows one by one, no arrays built
+            to_fleet = self.cols.index_slots(state.index)[1]
+            credit = self.credit
+            for islot, *tiers in zip(*(column.tolist() for column in found), strict=True):
+                i = int(to_fleet[islot]) if islot < len(to_fleet) else -1
+                if i < 0:
+                    continue
+                for full, part, vals in zip(raw, (g, c, s), tiers, strict=True):
+                    full[i] = vals
+                    if eligible[i] and credit[i]:
+                        part[i] = vals
+        elif found is not None and len(found[0]):
             to_fleet = self.cols.index_slots(state.index)[1]
             islots = found[0]
             inside = islots < len(to_fleet)
