@@ -11,16 +11,15 @@ hands them over, read by ``workers.engine.metrics.engine_scrape`` (what the rout
 
 from __future__ import annotations
 
-import gc
 import heapq
 import itertools
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from router.events.codec import EventBatch
+from router.heap import rare_collections
 from router.keys import chain_keys
 from router.scheduling import Decision, Endpoint, RouteRequest, RoutingConfig, RoutingCore
 from sim.oracle import sim_routing
@@ -135,7 +134,7 @@ class Simulation:
         heapq.heappush(self.heap, (t, next(self.counter), kind, data))
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
-        with _rare_collections():
+        with rare_collections():  # (router/heap.py)
             return self._run(progress)
 
     def _run(self, progress: Callable[[int, int], None] | None) -> SimResult:
@@ -385,23 +384,6 @@ class Simulation:
             replay = self.published.get(w)
             replayed = [] if replay is None else [(s, replay[s]) for s in range(gap.first_missing, gap.next_seq)]
             feeder.fill_gap(gap, replayed, batch, now)
-
-
-@contextmanager
-def _rare_collections() -> Iterator[None]:
-    """A run allocates millions of small objects (blocks, events, outputs, records) beside a heap of millions of
-    long-lived ones (the engines' pools, the index): CPython's collector, run every 700 allocations and now and
-    then over that whole heap, took a sixth of a 64-worker trace run. Freeze what exists before the run and
-    collect the young rarely; reference cycles are still collected, only later."""
-    threshold, frozen_by_caller = gc.get_threshold(), gc.get_freeze_count()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 20)
-    try:
-        yield
-    finally:
-        gc.set_threshold(*threshold)
-        if not frozen_by_caller:  # a caller's own freeze stays (ours then stays with it: unfreeze is all or none)
-            gc.unfreeze()
 
 
 def pooled(results: Sequence[SimResult]) -> SimResult:

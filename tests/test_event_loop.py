@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import sys
+import weakref
 
 import pytest
 
+from router import heap
 from router.config import load_config
 from router.frontends import event_loop
 from router.frontends.openai import new_request_id
@@ -35,6 +38,28 @@ def test_uvloop_runs_where_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(event_loop.LOOP_ENV, raising=False)
     assert event_loop.loop_name() == "uvloop"
     assert event_loop.run(_loop_module()).startswith("uvloop")
+
+
+async def _collector_settings() -> tuple[tuple[int, ...], int, bool]:
+    class Cycle:
+        pass
+
+    a, b = Cycle(), Cycle()
+    a.other, b.other = b, a  # a reference cycle made inside: still collected
+    probe = weakref.ref(a)
+    del a, b
+    gc.collect()
+    return gc.get_threshold(), gc.get_freeze_count(), probe() is None
+
+
+def test_the_frontends_run_the_collector_rarely_and_restore_it() -> None:
+    """Inside ``run``: what was loaded before is frozen, the young are collected every YOUNG_THRESHOLD
+    allocations, a cycle is still collected; after it the process's own settings are back."""
+    before = gc.get_threshold(), gc.get_freeze_count()
+    threshold, frozen, collected = event_loop.run(_collector_settings())
+    assert threshold == (heap.YOUNG_THRESHOLD, *heap.OLDER_THRESHOLDS) != before[0]
+    assert frozen > 0 and collected
+    assert (gc.get_threshold(), gc.get_freeze_count()) == before
 
 
 def test_the_loop_variable_is_not_a_config_key(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,13 +36,13 @@ NOW = 100.0
 @pytest.fixture(autouse=True, params=["small-fleet paths", "array paths", "scalar objective"])
 def paths(request, monkeypatch):
     """Every test three times: with the scorer's and the picker's few-worker shortcuts (the objective on each
-    candidate's floats, a scalar memory wait per worker, the prefix match row by row, Python's sort) as they are;
+    candidate's floats, a scalar memory wait per worker, the prefix match on lists, Python's sort) as they are;
     with the arrays forced for any fleet; and with the objective priced candidate by candidate for any fleet."""
     if request.param == "array paths":
         monkeypatch.setattr(latency_cost, "SCALAR_WAITS", 0)
         monkeypatch.setattr(latency_cost, "SCALAR_CANDIDATES", 0)
         monkeypatch.setattr(min_score, "SORTED_UP_TO", 0)
-        monkeypatch.setattr(snapshot, "FEW_HOLDERS", 0)
+        monkeypatch.setattr(snapshot, "LIST_MATCH_UP_TO", 0)
     elif request.param == "scalar objective":
         monkeypatch.setattr(latency_cost, "SCALAR_CANDIDATES", 1 << 30)
 
@@ -427,14 +427,14 @@ def test_the_index_answer_lands_on_each_workers_own_slot(layout):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_the_prefix_match_row_by_row_equals_the_arrays(seed, monkeypatch):
-    """A few holders of the prompt's first block are visited one by one (``FEW_HOLDERS``): every slot's
-    credited and raw match, eligible or not, is what the array form gives."""
+def test_the_prefix_match_on_lists_equals_the_arrays(seed, monkeypatch):
+    """A fleet of a few workers has its prefix match worked out on lists (``LIST_MATCH_UP_TO``): every slot's
+    credited and raw match and its speculative prefix, eligible or not, are what the array form gives."""
     core, req = random_fleet(seed, n=random.Random(seed).randrange(1, 9))
     keep = np.array([i for i in range(len(core.endpoints)) if random.Random(seed + i).random() < 0.7], dtype=np.int64)
 
     def answer(few: int) -> tuple:
-        monkeypatch.setattr(snapshot, "FEW_HOLDERS", few)
+        monkeypatch.setattr(snapshot, "LIST_MATCH_UP_TO", few)
         snap = Snapshot(core.state, req, NOW)
         snap.set_eligible_slots(keep)
         arrays = snap.match_arrays()

@@ -14,6 +14,8 @@ import os
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from router.heap import rare_collections
+
 T = TypeVar("T")
 LOOP_ENV = "KVROUTER_EVENT_LOOP"  # "asyncio": the standard loop; anything else (or unset): uvloop when installed
 
@@ -35,6 +37,7 @@ def loop_name() -> str:
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run(main)`` on the loop ``loop_factory`` picks."""
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+    """``asyncio.run(main)`` on the loop ``loop_factory`` picks, with the collector run rarely (router/heap.py:
+    what the process has loaded by now is frozen, the young collected every 50,000 allocations)."""
+    with rare_collections(), asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(main)

@@ -54,9 +54,9 @@ class Candidate(CandidateReport):
 
 
 POSITIONS_TABLE = 64  # up to this many slots ``_positions`` builds a table (a lookup in it: tens of ns)
-# up to this many workers holding the prompt's first block, ``match_arrays`` visits each (a dozen numpy calls
-# cost more than a few rows; tests run both)
-FEW_HOLDERS = 8
+# up to this many workers, ``match_arrays`` works on Python lists (a dozen numpy calls and numpy's scalars cost
+# more than a few rows; tests run both)
+LIST_MATCH_UP_TO = 8
 
 
 class Snapshot:
@@ -252,26 +252,36 @@ class Snapshot:
             return self._match_arrays
         req, state, n = self.request, self._state, self.size
         spec = state.speculative.match(req.keys, self.now) if req.keys else {}
-        # the index's answer by the index's own slots, moved to this fleet's (workers it knows, the fleet not)
-        rows = np.zeros((7, n), dtype=np.int64)  # (one allocation: a decision over a few workers is all overhead)
-        raw = self._raw_matches = (rows[0], rows[1], rows[2])
-        g, c, s, sp = rows[3], rows[4], rows[5], rows[6]
         found = state.index.match_lengths(req.keys) if req.keys else None
-        if spec or (found is not None and len(found[0])):
+        held = found is not None and len(found[0]) > 0
+        # a few workers: Python lists, made arrays once at the end (numpy's calls and its scalars cost more than
+        # the work); more: arrays throughout
+        small = n <= LIST_MATCH_UP_TO
+        rows: Any = [[0] * n for _ in range(7)] if small else np.zeros((7, n), dtype=np.int64)
+        raw = (rows[0], rows[1], rows[2])
+        g, c, s, sp = rows[3], rows[4], rows[5], rows[6]
+        if small:
+            eligible: Any = [False] * n
+            for i in self._eligible.tolist():
+                eligible[i] = True
+            credit: Any = self.credit.tolist()
+        elif spec or held:
             eligible = np.zeros(n, dtype=bool)
             eligible[self._eligible] = True
-        if found is not None and 0 < len(found[0]) <= FEW_HOLDERS:  # their rows one by one, no arrays built
-            to_fleet = self.cols.index_slots(state.index)[1]
             credit = self.credit
+        # the index's answer by the index's own slots, moved to this fleet's (workers it knows, the fleet not)
+        if held and small:
+            to_fleet = self.cols.index_slots(state.index)[1]
             for islot, *tiers in zip(*(column.tolist() for column in found), strict=True):
                 i = int(to_fleet[islot]) if islot < len(to_fleet) else -1
                 if i < 0:
                     continue
+                take = eligible[i] and credit[i]
                 for full, part, vals in zip(raw, (g, c, s), tiers, strict=True):
                     full[i] = vals
-                    if eligible[i] and credit[i]:
+                    if take:
                         part[i] = vals
-        elif found is not None and len(found[0]):
+        elif held:
             to_fleet = self.cols.index_slots(state.index)[1]
             islots = found[0]
             inside = islots < len(to_fleet)
@@ -279,7 +289,7 @@ class Snapshot:
             where[inside] = to_fleet[islots[inside]]
             known = where >= 0
             at = where[known]
-            take = eligible[at] & self.credit[at]
+            take = eligible[at] & credit[at]
             for full, part, tier in zip(raw, (g, c, s), found[1:], strict=True):
                 vals = tier[known]
                 full[at] = vals
@@ -292,6 +302,11 @@ class Snapshot:
             sp[i] = blocks
             if blocks > g[i] + c[i] + s[i]:  # blocks on their way to this worker: count them as they will be
                 g[i], c[i], s[i] = blocks, 0, 0
+        if small:
+            rows = np.array(rows, dtype=np.int64).reshape(7, n)
+            raw = (rows[0], rows[1], rows[2])
+            g, c, s, sp = rows[3], rows[4], rows[5], rows[6]
+        self._raw_matches = raw
         self._match_arrays = a = {"matched_gpu": g, "matched_cpu": c, "matched_storage": s, "speculative": sp}
         for i in self._built:
             cand = self._cands[i]
