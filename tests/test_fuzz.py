@@ -933,7 +933,7 @@ def test_a_well_formed_stream_is_routed_with_the_tenant_salt_and_completed(body,
 @example(["a lone surrogate \ud800", "fine"], False)
 @example(["word " * 1000, "<|im_start|>user\nhi<|im_end|>"], True)
 def test_every_way_of_encoding_a_prompt_gives_the_ids_encode_gives(texts, special):
-    """One short text inline, a long one and several through the batch call without offsets: the same ids as
+    """One text or several, short or long, through the batch call without offsets: the same ids as
     ``Tokenizer.encode`` text by text (a text it refuses is refused, with a client's error)."""
     try:
         want = [TOK.tokenizer.encode(t, add_special_tokens=special).ids for t in texts]
