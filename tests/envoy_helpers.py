@@ -40,7 +40,7 @@ class Picker:
 
 async def start_picker(worker_specs: list, policy: str = "precise", probe_interval_s: float = 0.2,
                        port: int | None = None, block_size: int = 16, grpc_server: str = "kvrouter",
-                       **routing) -> Picker:  # type: ignore[no-untyped-def]
+                       health_port: int | None = None, **routing) -> Picker:  # type: ignore[no-untyped-def]
     core = RoutingCore(RoutingConfig(policy=policy, block_size=block_size, seed=0, **routing))
     fleet = Fleet(core, probe_interval_s=probe_interval_s)
     for spec in worker_specs:
@@ -49,8 +49,8 @@ async def start_picker(worker_specs: list, policy: str = "precise", probe_interv
     picker = EndpointPicker(core, fleet, lambda m: load_tokenizer(), block_size, RouterMetrics(fleet))
     port = port or free_port()
     started = asyncio.Event()
-    task = asyncio.create_task(serve_epp(core, fleet, picker, port, None, "127.0.0.1", started=started, grace_s=1,
-                                         grpc_server=grpc_server))
+    task = asyncio.create_task(serve_epp(core, fleet, picker, port, health_port, "127.0.0.1", started=started,
+                                         grace_s=1, grpc_server=grpc_server))
     await asyncio.wait_for(started.wait(), 10)
     return Picker(core, fleet, picker, port, task)
 

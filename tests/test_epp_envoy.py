@@ -6,6 +6,7 @@ import json
 import aiohttp
 import pytest
 
+from bench.load import free_port
 from router.discovery import WorkerSpec
 from tests.envoy_helpers import gateway, start_picker
 from tests.sim_helpers import start_worker
@@ -136,14 +137,19 @@ async def test_picker_down_fail_closed_refuses_and_fail_open_passes_bodyless(thr
         assert st >= 500  # FULL_DUPLEX_STREAMED: a body cannot be rescued (docs/envoy.md)
 
 
-async def test_grpc_health_and_graceful_stop(three_workers):
+@pytest.mark.parametrize("health", ["ext_proc port", "own port"])
+@pytest.mark.parametrize("grpc_server", ["kvrouter", "grpcio"])
+async def test_grpc_health_and_graceful_stop(three_workers, health, grpc_server):
+    """grpc.health.v1 on the ext_proc port or its own, on either gRPC server: Check, and Watch's first answer."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     ws = three_workers
-    p = await start_picker([spec(w, f"w{i}") for i, w in enumerate(ws)])
+    health_port = free_port() if health == "own port" else None
+    p = await start_picker([spec(w, f"w{i}") for i, w in enumerate(ws)], grpc_server=grpc_server,
+                           health_port=health_port)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{p.port}") as ch:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port or p.port}") as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             live = await stub.Check(health_pb2.HealthCheckRequest(service="liveness"))
             assert live.status == health_pb2.HealthCheckResponse.SERVING
@@ -159,6 +165,9 @@ async def test_grpc_health_and_graceful_stop(three_workers):
             r = await stub.Check(health_pb2.HealthCheckRequest(
                 service="envoy.service.ext_proc.v3.ExternalProcessor"))
             assert r.status == health_pb2.HealthCheckResponse.SERVING
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service="readiness"))
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
     finally:
         await p.stop()
 

@@ -94,6 +94,28 @@ async def test_a_synchronous_streaming_handler_is_unimplemented_not_run_on_the_l
         assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
+async def test_a_coroutine_streaming_handler_writes_with_the_context():
+    """grpc.aio's other streaming style (the handler awaits ``context.write``), as grpc_health's asyncio
+    ``Watch`` is written: the current status, then each change, until the client cancels."""
+    server = GrpcServer()
+    hs = health.aio.HealthServicer()
+    await hs.set("ready", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    await server.start("127.0.0.1", 0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            call = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service="ready"))
+            assert (await call.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            await hs.set("ready", health_pb2.HealthCheckResponse.SERVING)
+            assert (await call.read()).status == health_pb2.HealthCheckResponse.SERVING
+            call.cancel()
+            got = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="ready"))
+            assert got.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await server.stop(0)
+    assert not any(c.streams for c in server.connections)  # the cancelled Watch left nothing open
+
+
 async def test_bidi_stream_carries_messages_larger_than_every_window_both_ways():
     """3 MB and 5 MB messages: over grpcio's 64 KiB initial windows and this server's 4 MiB stream window, so
     both sides' flow control must move (the client's WINDOW_UPDATEs for what this server sends, ours for it)."""

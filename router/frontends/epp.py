@@ -405,21 +405,21 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         self.metrics.hit_estimated.inc(handle.expected_hit_tokens)
 
 
-def health_servicer(fleet: Fleet) -> health.HealthServicer:
-    servicer = health.HealthServicer(experimental_non_blocking=True)
-    servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
-    servicer.set("readiness", health_pb2.HealthCheckResponse.NOT_SERVING)
-    servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+async def health_servicer(fleet: Fleet) -> health.aio.HealthServicer:
+    """grpc_health's asyncio servicer (``Check`` and ``Watch``), on either gRPC server."""
+    servicer = health.aio.HealthServicer()
+    await servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+    await servicer.set("readiness", health_pb2.HealthCheckResponse.NOT_SERVING)
+    await servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     return servicer
 
 
-def update_readiness(servicer: health.HealthServicer, core: RoutingCore, now: float) -> bool:
+async def update_readiness(servicer: health.aio.HealthServicer, core: RoutingCore, now: float) -> bool:
     """Ready when some endpoint is healthy and every healthy one's index is usable and its metrics fresh."""
     ready, _ = core.readiness(now)
     status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-    servicer.set("readiness", status)
-    servicer.set(SERVICE_NAME, status)
-    servicer.set("", status)
+    for service in ("readiness", SERVICE_NAME, ""):
+        await servicer.set(service, status)
     return ready
 
 
@@ -471,27 +471,19 @@ async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, por
                     started: asyncio.Event | None = None, grace_s: float = 10.0, reuse_port: bool = False,
                     grpc_server: str = "kvrouter") -> None:
     """Serve ext_proc (and gRPC health, on ``health_port`` or the same port) until cancelled, then drain.
-    ``grpc_server``: "kvrouter" (router/frontends/h2grpc.py) or "grpcio" (grpc.aio) on the ext_proc port; the
-    separate health port is always grpc.aio's (its ``Watch`` too). ``reuse_port``: one of several processes on
-    these ports (the kernel spreads connections over them: a gateway multiplexing every stream onto one HTTP/2
-    connection must be told to open several, e.g. Envoy's cluster ``max_concurrent_streams`` at
-    ``SHARED_PORT_MAX_STREAMS``; a server-side cap instead would refuse the streams that race a closing one)."""
+    ``grpc_server``: "kvrouter" (router/frontends/h2grpc.py) or "grpcio" (grpc.aio), for the ext_proc port and
+    the separate health port alike (``grpc.health.v1``'s ``Check`` and ``Watch`` on either). ``reuse_port``: one
+    of several processes on these ports (the kernel spreads connections over them: a gateway multiplexing every
+    stream onto one HTTP/2 connection must be told to open several, e.g. Envoy's cluster
+    ``max_concurrent_streams`` at ``SHARED_PORT_MAX_STREAMS``; a server-side cap instead would refuse the streams
+    that race a closing one)."""
     from router.frontends.rank import RankService
     from router.gen import picker_pb2_grpc
 
-    hs = health_servicer(fleet)
-    server: GrpcServer | grpc.aio.Server
-    if grpc_server == "kvrouter":
-        server = GrpcServer(max_message_bytes)
-    elif grpc_server == "grpcio":
-        options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
-        if reuse_port:
-            options.append(("grpc.so_reuseport", 1))
-        server = grpc.aio.server(options=options)
-        server.add_insecure_port(f"{host}:{port}")
-    else:
+    if grpc_server not in ("kvrouter", "grpcio"):
         raise ValueError(f"epp.grpc_server must be 'kvrouter' or 'grpcio', not {grpc_server!r}")
+    hs = await health_servicer(fleet)
+    server = _grpc_server(grpc_server, max_message_bytes, reuse_port)
     pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
     picker_pb2_grpc.add_PickerServicer_to_server(
         RankService(core, picker.tokenizer_for, picker.block_size, fleet.max_model_len), server)
@@ -499,22 +491,36 @@ async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, por
     if health_port is None or health_port == port:
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     else:
-        health_server = grpc.aio.server(options=[("grpc.so_reuseport", 1)] if reuse_port else None)
+        health_server = _grpc_server(grpc_server, max_message_bytes, reuse_port)
         health_pb2_grpc.add_HealthServicer_to_server(hs, health_server)
-        health_server.add_insecure_port(f"{host}:{health_port}")
-        await health_server.start()
-    if isinstance(server, GrpcServer):
-        await server.start(host, port, reuse_port)
-    else:
-        await server.start()
+        await _start(health_server, host, health_port, reuse_port)
+    await _start(server, host, port, reuse_port)
     if started is not None:
         started.set()
     try:
         while True:
-            update_readiness(hs, core, fleet.clock())
+            await update_readiness(hs, core, fleet.clock())
             await asyncio.sleep(0.2)
     finally:
-        hs.enter_graceful_shutdown()
+        await hs.enter_graceful_shutdown()
         await server.stop(grace_s)  # finishes open streams, refuses new ones
         if health_server is not None:
-            await health_server.stop(0)
+            await health_server.stop(0)  # (a Watch there would otherwise hold the stop for the grace)
+
+
+def _grpc_server(kind: str, max_message_bytes: int, reuse_port: bool) -> GrpcServer | grpc.aio.Server:
+    if kind == "kvrouter":
+        return GrpcServer(max_message_bytes)
+    options = [("grpc.max_receive_message_length", max_message_bytes),
+               ("grpc.max_send_message_length", max_message_bytes)]
+    if reuse_port:
+        options.append(("grpc.so_reuseport", 1))
+    return grpc.aio.server(options=options)
+
+
+async def _start(server: GrpcServer | grpc.aio.Server, host: str, port: int, reuse_port: bool) -> None:
+    if isinstance(server, GrpcServer):
+        await server.start(host, port, reuse_port)
+    else:
+        server.add_insecure_port(f"{host}:{port}")
+        await server.start()

@@ -108,12 +108,20 @@ def _code_number(code: Any) -> int:
 
 
 class ServicerContext:
-    """The part of ``grpc.aio.ServicerContext`` the servicers use: abort, codes, metadata, peer."""
+    """The part of ``grpc.aio.ServicerContext`` the servicers use: abort, codes, metadata, peer, and ``write``
+    for a response-streaming handler written as a coroutine (grpc.aio's other style, grpc_health's ``Watch``)."""
 
-    def __init__(self, stream: _Stream) -> None:
+    def __init__(self, stream: _Stream, serialize: Callable[[Any], bytes] | None = None) -> None:
         self._stream = stream
+        self._serialize = serialize
         self.code: int | None = None
         self.details: str | None = None
+
+    async def write(self, message: Any) -> None:
+        """One response message out (queued: the connection sends it as the peer's window allows)."""
+        if self._serialize is None:
+            raise RuntimeError("write() is for response-streaming handlers")
+        self._stream.conn.send_message(self._stream, self._serialize(message))
 
     async def abort(self, code: Any, details: str = "", trailing_metadata: Any = ()) -> None:
         raise _Abort(_code_number(code), details)
@@ -536,22 +544,23 @@ class H2Connection(asyncio.Protocol):
 
     # ---- the handler --------------------------------------------------------------------------------
     async def _run(self, stream: _Stream, handler: Handler) -> None:
-        ctx = ServicerContext(stream)
         inbox = stream.inbox
         assert inbox is not None
         serialize = handler.response_serializer or (lambda m: m)
+        ctx = ServicerContext(stream, serialize if handler.response_streaming else None)
         code, details = OK, None
         try:
-            if handler.request_streaming and handler.response_streaming:
-                if not inspect.isasyncgenfunction(handler.stream_stream):
+            if handler.response_streaming:
+                method = handler.stream_stream if handler.request_streaming else handler.unary_stream
+                if not (inspect.isasyncgenfunction(method) or inspect.iscoroutinefunction(method)):
+                    # (a synchronous one would block the loop)
                     raise _Abort(UNIMPLEMENTED, "a synchronous streaming handler (this server runs async ones)")
-                async for reply in handler.stream_stream(inbox, ctx):
-                    self.send_message(stream, serialize(reply))
-            elif handler.response_streaming:
-                if not inspect.isasyncgenfunction(handler.unary_stream):  # it would block the loop
-                    raise _Abort(UNIMPLEMENTED, "a synchronous streaming handler (this server runs async ones)")
-                async for reply in handler.unary_stream(await inbox.single(), ctx):
-                    self.send_message(stream, serialize(reply))
+                request = inbox if handler.request_streaming else await inbox.single()
+                if inspect.iscoroutinefunction(method):  # it sends with ``context.write``
+                    await method(request, ctx)
+                else:
+                    async for reply in method(request, ctx):
+                        self.send_message(stream, serialize(reply))
             else:
                 reply = (handler.stream_unary(inbox, ctx) if handler.request_streaming
                          else handler.unary_unary(await inbox.single(), ctx))
