@@ -39,10 +39,10 @@ class Admission(Filter):
     def mask(self, snap: Snapshot) -> np.ndarray:
         p, cols = self.params, snap.cols
         ok = all_slots(snap.size)
-        busy = cols.has_load & (cols.requests > 0)
         if p.max_inflight_requests is not None:
             ok &= ~(cols.has_load & (cols.requests >= p.max_inflight_requests))
         if p.max_inflight_tokens is not None:
+            busy = cols.has_load & (cols.requests > 0)
             ok &= ~(busy & (cols.prompt_tokens + snap.request.prompt_tokens > p.max_inflight_tokens))
         return ok
 
