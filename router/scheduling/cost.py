@@ -257,7 +257,8 @@ class CostModel:
         (``cols`` then holds that candidate's numbers). One formula for both, the same to the last bit."""
         p, t = self.params, self.params.timing
         bs, prompt, max_tokens = cols.block_size, cols.prompt_tokens, cols.max_tokens
-        gpu, cpu, storage = (xp.asarray(x, dtype=float) for x in (cols.gpu, cols.cpu, cols.storage))
+        gpu, cpu = xp.asarray(cols.gpu, dtype=float), xp.asarray(cols.cpu, dtype=float)
+        storage = xp.asarray(cols.storage, dtype=float)
         hit = xp.minimum((gpu + cpu + storage) * bs, max(prompt - 1, 0))
         uncached = prompt - hit
         pending = xp.asarray(cols.pending, dtype=float)
