@@ -3,8 +3,8 @@
 CPython collects its youngest objects every 700 allocations of container objects and, now and then, walks every
 object the process holds. A routing process allocates thousands of short-lived objects per request (parsed
 bodies, decisions, protocol messages) beside a long-lived heap (the modules of numpy, the tokenizer and the
-protocol libraries, the index, the engines' pools in the simulator): the picker behind Envoy spent 7% of its CPU
-in the collector, a full walk of its 72,000 objects paused it for 25 ms, and a 64-worker simulator run spent a
+protocol libraries, the index, the engines' pools in the simulator): the picker behind Envoy spent 4-7% of its CPU
+in the collector, each full walk of its 72,000 objects paused it for 23-34 ms, and a 64-worker simulator run spent a
 sixth of its time there (docs/benchmarks.md). ``rare_collections`` freezes what exists when it starts (never
 walked again) and collects the young every ``YOUNG_THRESHOLD`` allocations: reference cycles are still
 collected, only later.

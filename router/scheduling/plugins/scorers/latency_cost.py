@@ -40,7 +40,6 @@ SCALAR_WAITS = 32
 # whatever its size, and the objective is a hundred of them (router/scheduling/scalar_ops.py; tests run both)
 SCALAR_CANDIDATES = 6
 
-
 _REPORTED = ("queue_s", "prefill_s", "decode_s", "ttft_s", "stall_s", "interference_s", "eviction_s", "step_s",
              "model_ttft_s", "model_step_s")
 
