@@ -37,8 +37,9 @@ class LatencyCostParams:
 # one binary search over the fleet's padded release schedules (the same answer; tests run both)
 SCALAR_WAITS = 32
 # up to this many candidates the objective is priced on each one's floats: a numpy call costs about a microsecond
-# whatever its size, and the objective is a hundred of them (router/scheduling/scalar_ops.py; tests run both)
-SCALAR_CANDIDATES = 6
+# whatever its size, and the objective is a hundred of them (router/scheduling/scalar_ops.py; tests run both).
+# Measured (docs/benchmarks.md, tenth session): a whole decision costs the same either way at about 10 candidates
+SCALAR_CANDIDATES = 8
 
 _REPORTED = ("queue_s", "prefill_s", "decode_s", "ttft_s", "stall_s", "interference_s", "eviction_s", "step_s",
              "model_ttft_s", "model_step_s")
