@@ -438,6 +438,8 @@ def test_the_prefix_match_on_lists_equals_the_arrays(seed, monkeypatch):
         snap = Snapshot(core.state, req, NOW)
         snap.set_eligible_slots(keep)
         arrays = snap.match_arrays()
+        held = [0 if m is None else m.gpu + m.cpu + m.storage for m in snap.matches().values()]
+        assert snap.best_held() == max(held, default=0)  # (for plugins: what the best candidate holds)
         return ({name: a.tolist() for name, a in arrays.items()}, [a.tolist() for a in snap._raw_matches],
                 snap.matches())
 

@@ -243,6 +243,12 @@ class Snapshot:
             self._matched = held
         return self._matched
 
+    def best_held(self) -> int:
+        """The most prompt blocks any eligible candidate holds (computed when asked: no decision of the built-in
+        profiles reads it)."""
+        a = self.match_arrays()
+        return int((a["matched_gpu"] + a["matched_cpu"] + a["matched_storage"]).max()) if self.size else 0
+
     def match_arrays(self) -> dict[str, np.ndarray]:
         """The eligible slots' credited prefix, by tier, and the speculative one (0 elsewhere): int arrays by
         slot, ``matched_gpu``, ``matched_cpu``, ``matched_storage``, ``speculative``. What was sent to a worker
