@@ -140,7 +140,8 @@ async def test_picker_down_fail_closed_refuses_and_fail_open_passes_bodyless(thr
 @pytest.mark.parametrize("health", ["ext_proc port", "own port"])
 @pytest.mark.parametrize("grpc_server", ["kvrouter", "grpcio"])
 async def test_grpc_health_and_graceful_stop(three_workers, health, grpc_server):
-    """grpc.health.v1 on the ext_proc port or its own, on either gRPC server: Check, and Watch's first answer."""
+    """grpc.health.v1 on the ext_proc port (whichever gRPC server serves it) or on its own (grpc.aio's): Check,
+    and Watch's first answer."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 

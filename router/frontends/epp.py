@@ -471,8 +471,8 @@ async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, por
                     started: asyncio.Event | None = None, grace_s: float = 10.0, reuse_port: bool = False,
                     grpc_server: str = "kvrouter") -> None:
     """Serve ext_proc (and gRPC health, on ``health_port`` or the same port) until cancelled, then drain.
-    ``grpc_server``: "kvrouter" (router/frontends/h2grpc.py) or "grpcio" (grpc.aio), for the ext_proc port and
-    the separate health port alike (``grpc.health.v1``'s ``Check`` and ``Watch`` on either). ``reuse_port``: one
+    ``grpc_server``: "kvrouter" (router/frontends/h2grpc.py) or "grpcio" (grpc.aio) on the ext_proc port; a
+    separate health port is grpc.aio's (``grpc.health.v1``'s ``Check`` and ``Watch`` on either). ``reuse_port``: one
     of several processes on these ports (the kernel spreads connections over them: a gateway multiplexing every
     stream onto one HTTP/2 connection must be told to open several, e.g. Envoy's cluster
     ``max_concurrent_streams`` at ``SHARED_PORT_MAX_STREAMS``; a server-side cap instead would refuse the streams
@@ -490,8 +490,8 @@ async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, por
     health_server = None
     if health_port is None or health_port == port:
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    else:
-        health_server = _grpc_server(grpc_server, max_message_bytes, reuse_port)
+    else:  # grpc.aio, whatever serves ext_proc: a probe every few seconds from any client (kubelet's is grpc-go)
+        health_server = _grpc_server("grpcio", max_message_bytes, reuse_port)
         health_pb2_grpc.add_HealthServicer_to_server(hs, health_server)
         await _start(health_server, host, health_port, reuse_port)
     await _start(server, host, port, reuse_port)
