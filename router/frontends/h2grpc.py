@@ -13,10 +13,11 @@ sends wait for the peer's window), PING, RST_STREAM both ways, GOAWAY for a grac
 messages, trailers and trailers-only answers, SETTINGS_MAX_CONCURRENT_STREAMS (streams past it refused, so one
 connection holds a bounded number of windows). Handlers are registered as grpcio's generated code registers them
 (``add_registered_method_handlers``, ``add_generic_rpc_handlers``), so servicers written for grpc.aio run
-unchanged: stream-stream, unary-unary and stream-unary handlers, sync or async, and async unary-stream ones.
-Not implemented: TLS (the picker's port is plaintext, as grpc.aio's ``add_insecure_port`` was), message
-compression (refused with UNIMPLEMENTED; gRPC clients compress only when told), and synchronous streaming
-handlers (grpc_health's ``Watch``: UNIMPLEMENTED; Kubernetes' and Envoy's probes call ``Check``).
+unchanged: unary-unary and stream-unary handlers, sync or async, and streaming-response ones that are async
+generators or coroutines sending with ``context.write`` (grpc_health's asyncio ``Watch``). Not implemented: TLS
+(the picker's port is plaintext, as grpc.aio's ``add_insecure_port`` was), message compression (refused with
+UNIMPLEMENTED; gRPC clients compress only when told), and synchronous streaming handlers (UNIMPLEMENTED: they
+would block the loop; grpc_health's synchronous servicer's ``Watch`` is one).
 """
 
 from __future__ import annotations

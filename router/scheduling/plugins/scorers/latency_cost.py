@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from router.index import Medium
-from router.scheduling.cost import CostParams, Estimates
+from router.scheduling.cost import CostParams, Estimate, Estimates
 from router.scheduling.engine_profile import StepTiming
 from router.scheduling.masks import all_set, any_set, set_slots
 from router.scheduling.plugins.base import Scorer
@@ -103,8 +102,9 @@ class LatencyCost(Scorer):
 
     def _priced_each(self, snap: Snapshot, slots: np.ndarray) -> np.ndarray:
         """``score_slots`` candidate by candidate, on Python numbers from end to end: each one's inputs read off
-        the columns as floats, ``_inputs`` and ``CostModel.terms`` with ``SCALAR_OPS``, the reports and the
-        totals summed in ``Estimates.scores``' order (IEEE doubles either way: the same to the last bit)."""
+        the columns as floats, ``_inputs`` and ``CostModel.terms`` with ``SCALAR_OPS``, each candidate's terms an
+        ``Estimate``, whose reports and score add them in ``Estimates``' order (IEEE doubles either way: the same
+        to the last bit)."""
         req, costs = snap.request, snap.costs
         p = costs.params
         bs, n_keys, tail, reuse = req.block_size, len(req.keys), snap.tail, snap.reuse
@@ -114,28 +114,21 @@ class LatencyCost(Scorer):
         names = [*named, "shared"]
         columns = [column[sel].tolist() for column in named.values()]
         columns.append(snap.shared_prefix_blocks(slots).tolist())
-        index, ids, block_size = snap._state.index, snap.ids, snap._state.block_size
-        rows = []
+        state, ids = snap._state, snap.ids
+        w = p.kv_load_weight if self.params.kv_load_weight is None else self.params.kv_load_weight
+        priced = []
         one = SimpleNamespace()
         for i, values in zip(at, zip(*columns, strict=True), strict=True):
             one.__dict__.update(zip(names, values, strict=True))
             pending, running, kv, cap, used, new, need, over = _inputs(SCALAR_OPS, one, n_keys, tail, bs, p)
             wait = _release_wait_s(snap, i, over, one.active, one.capacity) if need else 0.0
-            # what the GPU cache holds, by the index (``Snapshot.resident_blocks`` of this one slot)
-            resident = float(index.blocks_held_on(ids[i], Medium.GPU)) * block_size if one.capacity > 0 else 0.0
+            resident = float(state.resident_tokens(ids[i])) if one.capacity > 0 else 0.0
             one_row = _objective_columns(SCALAR_OPS, snap, one, pending, running, kv, cap, used, new, resident, wait)
-            rows.append(costs.terms(SCALAR_OPS, one_row, reuse))  # type: ignore[arg-type]
-        if not rows:
-            return np.zeros(0)
-        queue, prefill, decode, _, stall, slowdown, eviction, _, step, model_ttft, model_step = (
-            list(term) for term in zip(*rows, strict=True))
-        w = p.kv_load_weight if self.params.kv_load_weight is None else self.params.kv_load_weight
-        snap.set_reports(slots, queue_s=queue, prefill_s=prefill, decode_s=decode,
-                         ttft_s=[q + f for q, f in zip(queue, prefill, strict=True)], stall_s=stall,
-                         interference_s=[s + d for s, d in zip(stall, slowdown, strict=True)], eviction_s=eviction,
-                         step_s=step, model_ttft_s=model_ttft, model_step_s=model_step)
-        return np.array([q + f + s + e + w * (d + o) for q, f, s, e, d, o
-                         in zip(queue, prefill, stall, eviction, decode, slowdown, strict=True)])
+            est = Estimate(*costs.terms(SCALAR_OPS, one_row, reuse))  # type: ignore[arg-type]
+            est.kv_load_weight = w  # (the scorer's own weight, as ``Estimates.scores(w)`` takes it)
+            priced.append(est)
+        snap.set_reports(slots, **{name: [getattr(e, name) for e in priced] for name in _REPORTED})
+        return np.array([e.score for e in priced])
 
 
 def _selection(snap: Snapshot, slots: np.ndarray) -> slice | np.ndarray:
