@@ -1,9 +1,10 @@
 """The compiled parts, each the per-block loop of one pure-Python module, which stays the reference and the
 fallback: router/_fastkeys.c (chained block keys), router/index/_fastdicts.c (the dict index's store and remove
 loops and its match walk), router/index/_fastcompact.c (the compact index's store and remove loops),
-router/scheduling/_fastghosts.c (the reuse statistics' ghost list) and router/events/_fasttokens.c (an event's
-token ids read from their msgpack bytes); their headers say why. Optional: where no C compiler is found the
-build goes on without them."""
+router/scheduling/_fastghosts.c (the reuse statistics' ghost list), router/events/_fasttokens.c (an event's
+token ids read from their msgpack bytes) and router/scheduling/_fastobjective.c (the routing objective's
+per-candidate arithmetic, built with no fused multiply-adds so it rounds as numpy does); their headers say why.
+Optional: where no C compiler is found the build goes on without them."""
 
 from setuptools import Extension, setup
 
@@ -14,4 +15,6 @@ setup(ext_modules=[Extension(name, [source], optional=True, extra_compile_args=[
                                         ("router.index._fastdicts", "router/index/_fastdicts.c"),
                                         ("router.index._fastcompact", "router/index/_fastcompact.c"),
                                         ("router.scheduling._fastghosts", "router/scheduling/_fastghosts.c"),
-                                        ("router.events._fasttokens", "router/events/_fasttokens.c"))])
+                                        ("router.events._fasttokens", "router/events/_fasttokens.c"))]
+            + [Extension("router.scheduling._fastobjective", ["router/scheduling/_fastobjective.c"], optional=True,
+                         extra_compile_args=["-O2", "-ffp-contract=off"])])

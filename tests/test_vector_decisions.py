@@ -33,11 +33,17 @@ BS = 16
 NOW = 100.0
 
 
-@pytest.fixture(autouse=True, params=["small-fleet paths", "array paths", "scalar objective"])
+@pytest.fixture(autouse=True, params=["compiled objective", "small-fleet paths", "array paths", "scalar objective"])
 def paths(request, monkeypatch):
-    """Every test three times: with the scorer's and the picker's few-worker shortcuts (the objective on each
-    candidate's floats, a scalar memory wait per worker, the prefix match on lists, Python's sort) as they are;
-    with the arrays forced for any fleet; and with the objective priced candidate by candidate for any fleet."""
+    """Every test four times: as built (the objective compiled, router/scheduling/_fastobjective.c); then without
+    it: with the scorer's and the picker's few-worker shortcuts (the objective on each candidate's floats, a
+    scalar memory wait per worker, the prefix match on lists, Python's sort) as they are; with the arrays forced
+    for any fleet; and with the objective priced candidate by candidate for any fleet."""
+    if request.param == "compiled objective":
+        assert latency_cost.compiled_price is not None, \
+            "router.scheduling._fastobjective was not built: is a C compiler installed?"
+        return
+    monkeypatch.setattr(latency_cost, "compiled_price", None)
     if request.param == "array paths":
         monkeypatch.setattr(latency_cost, "SCALAR_WAITS", 0)
         monkeypatch.setattr(latency_cost, "SCALAR_CANDIDATES", 0)

@@ -4,9 +4,12 @@ request's own TTFT and decode on each candidate plus what sending it there costs
 pushes out. Inputs: event-fed residency, the router's in-flight accounting, fresh engine metrics, each worker's
 fitted engine profile and the fleet's observed reuse of evicted blocks. The ``precise`` profile's one scorer.
 
-It reads the fleet's columns and prices every candidate with a few array operations; the per-worker work left
-is the index's residency count and, only where the request's blocks do not fit beside the requests in flight,
-the search for the blocks it shares with them."""
+It reads the fleet's columns and prices every candidate in one pass of router/scheduling/_fastobjective.c where
+that is built; ``_inputs`` and ``CostModel.terms`` are the formula, written once, which it follows operation by
+operation (the same scores to the last bit) and which prices the candidates without it: on arrays, or, up to
+``SCALAR_CANDIDATES`` of them, on each one's floats. The per-worker work left in Python is the index's residency
+count and, only where the request's blocks do not fit beside the requests in flight, the search for the blocks
+it shares with them and for when enough of them end."""
 
 from __future__ import annotations
 
@@ -23,6 +26,11 @@ from router.scheduling.masks import all_set, any_set, set_slots
 from router.scheduling.plugins.base import Scorer
 from router.scheduling.scalar_ops import SCALAR_OPS
 from router.scheduling.snapshot import Candidate, Snapshot
+
+try:
+    from router.scheduling._fastobjective import price as compiled_price
+except ImportError:  # built without a C compiler: the formula in Python prices every candidate
+    compiled_price = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,10 @@ SCALAR_CANDIDATES = 8
 
 _REPORTED = ("queue_s", "prefill_s", "decode_s", "ttft_s", "stall_s", "interference_s", "eviction_s", "step_s",
              "model_ttft_s", "model_step_s")
+# the rows ``compiled_price`` writes, one value per candidate: the reports (the queue, TTFT and score before any
+# memory wait), then whether it must wait for memory, how many blocks it lacks room for, and the slowdown term
+OBJECTIVE_ROWS = (*_REPORTED, "score", "need", "over", "slowdown_s")
+_ROW = {name: i for i, name in enumerate(OBJECTIVE_ROWS)}
 
 
 class LatencyCost(Scorer):
@@ -61,8 +73,11 @@ class LatencyCost(Scorer):
         return out.tolist()
 
     def score_slots(self, snap: Snapshot, slots: np.ndarray) -> np.ndarray:
-        """Every candidate priced by one formula (``_inputs``, then ``CostModel.terms``): on arrays over the
-        candidates, or, up to ``SCALAR_CANDIDATES`` of them, on each one's floats (the same scores, sooner)."""
+        """Every candidate priced by one formula (``_inputs``, then ``CostModel.terms``): compiled, in one pass
+        over the candidates; without the extension on arrays over them, or, up to ``SCALAR_CANDIDATES`` of them,
+        on each one's floats (the same scores every way)."""
+        if compiled_price is not None:
+            return self._priced_compiled(snap, slots)
         if len(slots) <= SCALAR_CANDIDATES:
             return self._priced_each(snap, slots)
         match = snap.match_arrays()
@@ -78,27 +93,49 @@ class LatencyCost(Scorer):
         return est.scores(self.params.kv_load_weight)
 
     def _priced_at_once(self, snap: Snapshot, slots: np.ndarray, c: SimpleNamespace) -> Estimates:
-        req, costs, cols = snap.request, snap.costs, snap.cols
+        req, costs = snap.request, snap.costs
         bs, n_keys, tail = req.block_size, len(req.keys), snap.tail
         pending, running, kv, cap, used, new, need, over = _inputs(np, c, n_keys, tail, bs, costs.params)
         # memory wait: only where its blocks do not fit beside what the requests in flight hold
         wait = np.zeros(len(slots))
         if any_set(need):
             at = set_slots(need)
-            if len(at) <= SCALAR_WAITS:  # a few: each worker's own binary search costs less than the arrays
-                for k, i, blocks, a, capacity in zip(at.tolist(), slots[at].tolist(), over[at].tolist(),
-                                                     c.active[at].tolist(), c.capacity[at].tolist(), strict=True):
-                    wait[k] = _release_wait_s(snap, i, blocks, a, capacity)
-            else:
-                step = _decode_step_s(costs.params.timing, cols.decode_intercept[slots[at]],
-                                      cols.decode_slope[slots[at]], c.active[at] * bs / c.capacity[at])
-                wait[at] = cols.release_waits(slots[at], over[at], step, snap.now)
+            wait[at] = _memory_waits(snap, slots[at], over[at], c.active[at], c.capacity[at])
         known = c.capacity > 0
         resident = np.zeros(len(slots))
         if any_set(known):
             resident[known] = snap.resident_blocks(slots[known]) * snap._state.block_size
         arrays = _objective_columns(np, snap, c, pending, running, kv, cap, used, new, resident, wait)
         return costs.estimate_many(arrays, snap.reuse)  # type: ignore[arg-type]
+
+    def _priced_compiled(self, snap: Snapshot, slots: np.ndarray) -> np.ndarray:
+        """``score_slots`` by ``compiled_price``: the objective's rows for every candidate in one call, then the
+        memory wait added, in the formula's order, where a candidate's blocks do not fit."""
+        req, p = snap.request, snap.costs.params
+        t, cols = p.timing, snap.cols
+        sel = _selection(snap, slots)
+        reuse = snap.reuse
+        w = p.kv_load_weight if self.params.kv_load_weight is None else self.params.kv_load_weight
+        out = np.empty((len(OBJECTIVE_ROWS), len(slots)))
+        compiled_price(tuple(_candidate_columns(snap, snap.match_arrays()).values()),
+                       None if isinstance(sel, slice) else slots, snap.shared_prefix_blocks(slots),
+                       snap.resident_blocks(slots) * snap._state.block_size,
+                       (len(req.keys), snap.tail, req.block_size, req.prompt_tokens, req.max_tokens),
+                       (p.waiting_prompt_tokens, p.remaining_fraction, p.step_token_budget, p.storage_ms_per_token,
+                        t.prefill_a, t.prefill_b, t.prefill_c, t.decode_a, t.decode_b, t.decode_c,
+                        t.load_back_ms_per_token, p.reuse_prior if reuse is None else reuse, w), out)
+        need = out[_ROW["need"]]
+        if any_set(need > 0):
+            at = set_slots(need > 0)
+            queue = out[_ROW["queue_s"], at] + _memory_waits(snap, slots[at], out[_ROW["over"], at],
+                                                              cols.active_blocks[slots[at]], cols.capacity[slots[at]])
+            prefill = out[_ROW["prefill_s"], at]
+            out[_ROW["queue_s"], at] = queue
+            out[_ROW["ttft_s"], at] = queue + prefill
+            out[_ROW["score"], at] = (queue + prefill + out[_ROW["stall_s"], at] + out[_ROW["eviction_s"], at]
+                                      + w * (out[_ROW["decode_s"], at] + out[_ROW["slowdown_s"], at]))
+        snap.set_reports(slots, **{name: out[i] for i, name in enumerate(_REPORTED)})
+        return out[_ROW["score"]]
 
     def _priced_each(self, snap: Snapshot, slots: np.ndarray) -> np.ndarray:
         """``score_slots`` candidate by candidate, on Python numbers from end to end: each one's inputs read off
@@ -181,6 +218,20 @@ def _objective_columns(xp: Any, snap: Snapshot, c: SimpleNamespace, pending: Any
         others_left=snap.costs.params.remaining_fraction * c.output_tokens, inflight=xp.maximum(c.requests, running),
         cap_blocks=cap, used=used, kv=kv, new_blocks=new, resident=resident, memory_wait=wait,
         ttft_slope=c.ttft_slope, decode_slope=c.decode_slope)
+
+
+def _memory_waits(snap: Snapshot, slots: np.ndarray, blocks: np.ndarray, active: np.ndarray, capacity: np.ndarray
+                  ) -> np.ndarray:
+    """The memory wait of each of ``slots`` (workers with requests in flight whose room lacks ``blocks``): up to
+    ``SCALAR_WAITS`` each worker's own binary search, which costs less than the arrays; more, one search over
+    the fleet's padded release schedules (the same answer)."""
+    if len(slots) <= SCALAR_WAITS:
+        return np.array([_release_wait_s(snap, i, b, a, c) for i, b, a, c in
+                         zip(slots.tolist(), blocks.tolist(), active.tolist(), capacity.tolist(), strict=True)])
+    cols = snap.cols
+    step = _decode_step_s(snap.costs.params.timing, cols.decode_intercept[slots], cols.decode_slope[slots],
+                          active * snap.request.block_size / capacity)
+    return cols.release_waits(slots, blocks, step, snap.now)
 
 
 def _release_wait_s(snap: Snapshot, slot: int, blocks: float, active: float, capacity: float) -> float:
