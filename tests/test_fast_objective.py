@@ -67,7 +67,7 @@ def compiled_rows(columns: dict[str, np.ndarray], selection: np.ndarray | None, 
     price(tuple(columns.values()), selection, shared, resident,
           (len(request.keys), tail, request.block_size, request.prompt_tokens, request.max_tokens),
           (p.waiting_prompt_tokens, p.remaining_fraction, p.step_token_budget, p.storage_ms_per_token, t.prefill_a,
-           t.prefill_b, t.prefill_c, t.decode_a, t.decode_b, t.decode_c, t.load_back_ms_per_token, reuse, w), out)
+           t.prefill_b, t.prefill_c, t.decode_a, t.decode_b, t.decode_c, t.load_back_ms_per_token, reuse, w), out, None, 0)
     return out
 
 
@@ -119,7 +119,7 @@ def test_bad_inputs_are_refused_not_read():
                       p, 0.5, 1.0)
     with pytest.raises(ValueError):
         price(tuple(columns.values())[:3], None, np.zeros(4), np.zeros(4), (2, 0, 16, 40, 8), (0.0,) * 13,
-              np.zeros((len(OBJECTIVE_ROWS), 4)))
+              np.zeros((len(OBJECTIVE_ROWS), 4)), None, 0)
     with pytest.raises(ValueError):  # an output of the wrong shape
         price(tuple(columns.values()), None, np.zeros(4), np.zeros(4), (2, 0, 16, 40, 8), (0.0,) * 13,
-              np.zeros((3, 4)))
+              np.zeros((3, 4)), None, 0)

@@ -33,15 +33,18 @@ BS = 16
 NOW = 100.0
 
 
-@pytest.fixture(autouse=True, params=["compiled objective", "small-fleet paths", "array paths", "scalar objective"])
+@pytest.fixture(autouse=True, params=["compiled objective", "compiled, waits at once", "small-fleet paths",
+                                      "array paths", "scalar objective"])
 def paths(request, monkeypatch):
-    """Every test four times: as built (the objective compiled, router/scheduling/_fastobjective.c); then without
-    it: with the scorer's and the picker's few-worker shortcuts (the objective on each candidate's floats, a
+    """Every test five times: as built (the objective compiled, router/scheduling/_fastobjective.c), with each
+    memory wait its worker's own search and with one search over every schedule; then without it: with the scorer's and the picker's few-worker shortcuts (the objective on each candidate's floats, a
     scalar memory wait per worker, the prefix match on lists, Python's sort) as they are; with the arrays forced
     for any fleet; and with the objective priced candidate by candidate for any fleet."""
-    if request.param == "compiled objective":
+    if request.param.startswith("compiled"):
         assert latency_cost.compiled_price is not None, \
             "router.scheduling._fastobjective was not built: is a C compiler installed?"
+        if request.param == "compiled, waits at once":
+            monkeypatch.setattr(latency_cost, "SCALAR_WAITS", 0)
         return
     monkeypatch.setattr(latency_cost, "compiled_price", None)
     if request.param == "array paths":

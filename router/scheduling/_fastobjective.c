@@ -12,8 +12,9 @@
  * a hundred array passes; here it is one pass over the candidates' columns, a few nanoseconds a candidate.
  *
  * What stays in Python: the memory wait, for the few candidates whose blocks do not fit beside the requests in
- * flight (``need``, a row of the output): it is a search of each one's release schedule, and it adds to the
- * queue, TTFT and score rows the caller then fixes.
+ * flight (``need``, a row of the output): a search of each one's release schedule. Up to ``max_calls`` of them
+ * ``price`` asks ``wait_of`` for each one's and adds it to its queue, TTFT and score here (the formula's order);
+ * more, it leaves them to the caller, which searches every schedule at once, and says how many it left.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -138,24 +139,28 @@ static const char *COLUMN_NAMES[N_COLUMNS] = {
     "gpu", "cpu", "storage", "output_tokens", "ttft_slope", "decode_slope"};
 
 PyDoc_STRVAR(price_doc,
-"price(columns, selection, shared, resident, request, params, out)\n\n"
+"price(columns, selection, shared, resident, request, params, out, wait_of, max_calls) -> int\n\n"
 "Every candidate's objective terms into ``out`` (float64, rows x candidates, C order). ``columns``: the 16\n"
 "fleet columns by slot; ``selection``: int64 slots of the candidates, or None for every slot in order;\n"
 "``shared``, ``resident``: float64 by candidate; ``request``: (n_keys, tail, block_size, prompt_tokens,\n"
 "max_tokens); ``params``: (waiting_prompt_tokens, remaining_fraction, step_token_budget,\n"
 "storage_ms_per_token, prefill_a, prefill_b, prefill_c, decode_a, decode_b, decode_c,\n"
-"load_back_ms_per_token, reuse, kv_load_weight).");
+"load_back_ms_per_token, reuse, kv_load_weight). Where a candidate's blocks do not fit (the ``need`` row) and\n"
+"no more than ``max_calls`` do, ``wait_of(slot, over, active, capacity)`` gives its memory wait, added here;\n"
+"else none is: returns how many candidates need one that was not added (0 or the count).");
 
 static PyObject *price(PyObject *self, PyObject *args) {
-    PyObject *columns_o, *sel_o, *shared_o, *resident_o, *out_o;
+    PyObject *columns_o, *sel_o, *shared_o, *resident_o, *out_o, *wait_of;
+    Py_ssize_t max_calls, needing = 0;
     long long n_keys, tail, bs, prompt, max_tokens;
     double wpt, remaining_fraction, budget_in, storage_ms;
     Timing t;
     double reuse, w;
-    if (!PyArg_ParseTuple(args, "O!OOO(LLLLL)(ddddddddddddd)O", &PyTuple_Type, &columns_o, &sel_o, &shared_o,
+    if (!PyArg_ParseTuple(args, "O!OOO(LLLLL)(ddddddddddddd)OOn", &PyTuple_Type, &columns_o, &sel_o, &shared_o,
                           &resident_o, &n_keys, &tail, &bs, &prompt, &max_tokens, &wpt, &remaining_fraction,
                           &budget_in, &storage_ms, &t.prefill_a, &t.prefill_b, &t.prefill_c, &t.decode_a,
-                          &t.decode_b, &t.decode_c, &t.load_back_ms_per_token, &reuse, &w, &out_o))
+                          &t.decode_b, &t.decode_c, &t.load_back_ms_per_token, &reuse, &w, &out_o, &wait_of,
+                          &max_calls))
         return NULL;
     if (PyTuple_GET_SIZE(columns_o) != N_COLUMNS) {
         PyErr_Format(PyExc_ValueError, "%d columns expected", N_COLUMNS);
@@ -293,8 +298,31 @@ static PyObject *price(PyObject *self, PyObject *args) {
         o[R_MODEL_STEP * n + k] = model_own_step;
         o[R_SCORE * n + k] = queue_total + prefill + stall + eviction + w * (decode + slowdown);
         o[R_NEED * n + k] = need ? 1.0 : 0.0;
+        needing += need;
         o[R_OVER * n + k] = over;
         o[R_SLOWDOWN * n + k] = slowdown;
+    }
+    if (needing && needing <= max_calls) {
+        for (Py_ssize_t k = 0; k < n; k++) {
+            if (o[R_NEED * n + k] == 0.0)
+                continue;
+            Py_ssize_t j = slots ? (Py_ssize_t)slots[k] : k;
+            PyObject *got = PyObject_CallFunction(wait_of, "nddd", j, o[R_OVER * n + k], column_get(&cols[ACTIVE], j),
+                                                  column_get(&cols[CAPACITY], j));
+            if (!got)
+                goto done;
+            const double wait = PyFloat_AsDouble(got);
+            Py_DECREF(got);
+            if (wait == -1.0 && PyErr_Occurred())
+                goto done;
+            /* the reference adds the wait to the queue, then sums as above */
+            const double queue = o[R_QUEUE * n + k] + wait, prefill = o[R_PREFILL * n + k];
+            o[R_QUEUE * n + k] = queue;
+            o[R_TTFT * n + k] = queue + prefill;
+            o[R_SCORE * n + k] = queue + prefill + o[R_STALL * n + k] + o[R_EVICTION * n + k] +
+                                 w * (o[R_DECODE * n + k] + o[R_SLOWDOWN * n + k]);
+        }
+        needing = 0;
     }
     ok = 1;
 done:
@@ -307,7 +335,7 @@ done:
         PyBuffer_Release(&out);
     if (!ok)
         return NULL;
-    Py_RETURN_NONE;
+    return PyLong_FromSsize_t(needing);
 }
 
 static PyMethodDef methods[] = {

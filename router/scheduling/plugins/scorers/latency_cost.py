@@ -109,24 +109,29 @@ class LatencyCost(Scorer):
         return costs.estimate_many(arrays, snap.reuse)  # type: ignore[arg-type]
 
     def _priced_compiled(self, snap: Snapshot, slots: np.ndarray) -> np.ndarray:
-        """``score_slots`` by ``compiled_price``: the objective's rows for every candidate in one call, then the
-        memory wait added, in the formula's order, where a candidate's blocks do not fit."""
+        """``score_slots`` by ``compiled_price``: the objective's rows for every candidate in one call, which
+        also adds the memory wait where a candidate's blocks do not fit (each worker's own search, up to
+        ``SCALAR_WAITS`` of them; more are left to one search over every schedule, added here alike)."""
         req, p = snap.request, snap.costs.params
-        t, cols = p.timing, snap.cols
+        t = p.timing
         sel = _selection(snap, slots)
         reuse = snap.reuse
         w = p.kv_load_weight if self.params.kv_load_weight is None else self.params.kv_load_weight
         out = np.empty((len(OBJECTIVE_ROWS), len(slots)))
-        compiled_price(tuple(_candidate_columns(snap, snap.match_arrays()).values()),
-                       None if isinstance(sel, slice) else slots, snap.shared_prefix_blocks(slots),
-                       snap.resident_blocks(slots) * snap._state.block_size,
-                       (len(req.keys), snap.tail, req.block_size, req.prompt_tokens, req.max_tokens),
-                       (p.waiting_prompt_tokens, p.remaining_fraction, p.step_token_budget, p.storage_ms_per_token,
-                        t.prefill_a, t.prefill_b, t.prefill_c, t.decode_a, t.decode_b, t.decode_c,
-                        t.load_back_ms_per_token, p.reuse_prior if reuse is None else reuse, w), out)
-        need = out[_ROW["need"]]
-        if any_set(need > 0):
-            at = set_slots(need > 0)
+
+        def wait_of(slot: int, blocks: float, active: float, capacity: float) -> float:
+            return _release_wait_s(snap, slot, blocks, active, capacity)
+
+        left = compiled_price(
+            tuple(_candidate_columns(snap, snap.match_arrays()).values()), None if isinstance(sel, slice) else slots,
+            snap.shared_prefix_blocks(slots), snap.resident_blocks(slots) * snap._state.block_size,
+            (len(req.keys), snap.tail, req.block_size, req.prompt_tokens, req.max_tokens),
+            (p.waiting_prompt_tokens, p.remaining_fraction, p.step_token_budget, p.storage_ms_per_token,
+             t.prefill_a, t.prefill_b, t.prefill_c, t.decode_a, t.decode_b, t.decode_c, t.load_back_ms_per_token,
+             p.reuse_prior if reuse is None else reuse, w), out, wait_of, SCALAR_WAITS)
+        if left:
+            at = set_slots(out[_ROW["need"]] > 0)
+            cols = snap.cols
             queue = out[_ROW["queue_s"], at] + _memory_waits(snap, slots[at], out[_ROW["over"], at],
                                                               cols.active_blocks[slots[at]], cols.capacity[slots[at]])
             prefill = out[_ROW["prefill_s"], at]
@@ -134,7 +139,7 @@ class LatencyCost(Scorer):
             out[_ROW["ttft_s"], at] = queue + prefill
             out[_ROW["score"], at] = (queue + prefill + out[_ROW["stall_s"], at] + out[_ROW["eviction_s"], at]
                                       + w * (out[_ROW["decode_s"], at] + out[_ROW["slowdown_s"], at]))
-        snap.set_reports(slots, **{name: out[i] for i, name in enumerate(_REPORTED)})
+        snap.set_reports(slots, **dict(zip(_REPORTED, out, strict=False)))
         return out[_ROW["score"]]
 
     def _priced_each(self, snap: Snapshot, slots: np.ndarray) -> np.ndarray:
