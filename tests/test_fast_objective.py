@@ -67,7 +67,8 @@ def compiled_rows(columns: dict[str, np.ndarray], selection: np.ndarray | None, 
     price(tuple(columns.values()), selection, shared, resident,
           (len(request.keys), tail, request.block_size, request.prompt_tokens, request.max_tokens),
           (p.waiting_prompt_tokens, p.remaining_fraction, p.step_token_budget, p.storage_ms_per_token, t.prefill_a,
-           t.prefill_b, t.prefill_c, t.decode_a, t.decode_b, t.decode_c, t.load_back_ms_per_token, reuse, w), out, None, 0)
+           t.prefill_b, t.prefill_c, t.decode_a, t.decode_b, t.decode_c, t.load_back_ms_per_token, reuse, w),
+          out, None, 0)
     return out
 
 

@@ -37,9 +37,10 @@ NOW = 100.0
                                       "array paths", "scalar objective"])
 def paths(request, monkeypatch):
     """Every test five times: as built (the objective compiled, router/scheduling/_fastobjective.c), with each
-    memory wait its worker's own search and with one search over every schedule; then without it: with the scorer's and the picker's few-worker shortcuts (the objective on each candidate's floats, a
-    scalar memory wait per worker, the prefix match on lists, Python's sort) as they are; with the arrays forced
-    for any fleet; and with the objective priced candidate by candidate for any fleet."""
+    memory wait its worker's own search and with one search over every schedule; then without it: with the
+    scorer's and the picker's few-worker shortcuts (the objective on each candidate's floats, a scalar memory
+    wait per worker, the prefix match on lists, Python's sort) as they are; with the arrays forced for any fleet;
+    and with the objective priced candidate by candidate for any fleet."""
     if request.param.startswith("compiled"):
         assert latency_cost.compiled_price is not None, \
             "router.scheduling._fastobjective was not built: is a C compiler installed?"

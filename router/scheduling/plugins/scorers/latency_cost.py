@@ -113,8 +113,6 @@ class LatencyCost(Scorer):
         also adds the memory wait where a candidate's blocks do not fit (each worker's own search, up to
         ``SCALAR_WAITS`` of them; more are left to one search over every schedule, added here alike)."""
         req, p = snap.request, snap.costs.params
-        t = p.timing
-        sel = _selection(snap, slots)
         reuse = snap.reuse
         w = p.kv_load_weight if self.params.kv_load_weight is None else self.params.kv_load_weight
         out = np.empty((len(OBJECTIVE_ROWS), len(slots)))
@@ -123,12 +121,10 @@ class LatencyCost(Scorer):
             return _release_wait_s(snap, slot, blocks, active, capacity)
 
         left = compiled_price(
-            tuple(_candidate_columns(snap, snap.match_arrays()).values()), None if isinstance(sel, slice) else slots,
-            snap.shared_prefix_blocks(slots), snap.resident_blocks(slots) * snap._state.block_size,
+            tuple(_candidate_columns(snap, snap.match_arrays()).values()), slots, snap.shared_prefix_blocks(slots),
+            snap.resident_blocks(slots) * snap._state.block_size,
             (len(req.keys), snap.tail, req.block_size, req.prompt_tokens, req.max_tokens),
-            (p.waiting_prompt_tokens, p.remaining_fraction, p.step_token_budget, p.storage_ms_per_token,
-             t.prefill_a, t.prefill_b, t.prefill_c, t.decode_a, t.decode_b, t.decode_c, t.load_back_ms_per_token,
-             p.reuse_prior if reuse is None else reuse, w), out, wait_of, SCALAR_WAITS)
+            (*_compiled_params(p), p.reuse_prior if reuse is None else reuse, w), out, wait_of, SCALAR_WAITS)
         if left:
             at = set_slots(out[_ROW["need"]] > 0)
             cols = snap.cols
@@ -171,6 +167,20 @@ class LatencyCost(Scorer):
             priced.append(est)
         snap.set_reports(slots, **{name: [getattr(e, name) for e in priced] for name in _REPORTED})
         return np.array([e.score for e in priced])
+
+
+_compiled_params_of: list = [None, ()]  # (the last CostParams, its tuple): a router prices with one set of them
+
+
+def _compiled_params(p: CostParams) -> tuple[float, ...]:
+    """The cost parameters ``compiled_price`` reads, in its order (made once per ``CostParams``: they are
+    frozen; compared by identity, as hashing the dataclass would cost more than making the tuple)."""
+    if _compiled_params_of[0] is not p:
+        t = p.timing
+        _compiled_params_of[:] = [p, (p.waiting_prompt_tokens, p.remaining_fraction, p.step_token_budget,
+                                      p.storage_ms_per_token, t.prefill_a, t.prefill_b, t.prefill_c, t.decode_a,
+                                      t.decode_b, t.decode_c, t.load_back_ms_per_token)]
+    return _compiled_params_of[1]
 
 
 def _selection(snap: Snapshot, slots: np.ndarray) -> slice | np.ndarray:
