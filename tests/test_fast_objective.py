@@ -32,7 +32,7 @@ def random_columns(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
         "has_load": rng.random(n) < 0.8, "requests": requests,
         "decoding": np.minimum(requests, rng.integers(0, 12, n)).astype(float),
         "active": rng.integers(0, 300, n).astype(float), "pending": pick(0.0, 0.0, 512.0, 9000.0, 70_000.0),
-        "capacity": pick(0.0, 0.0, 100.0, 4096.0, 8000.0, 131072.0), "fresh": rng.random(n) < 0.7,
+        "capacity": pick(0.0, 0.0, 100.0, 4096.0, 8000.0, 131072.0, 1000.5, -32.0), "fresh": rng.random(n) < 0.7,
         "waiting": pick(np.nan, 0.0, 1.0, 3.0, 40.0), "running": pick(np.nan, 0.0, 2.0, 9.5, 64.0),
         "kv": pick(np.nan, 0.0, 0.2, 0.97, 1.3), "gpu": rng.integers(0, 80, n), "cpu": rng.choice([0, 0, 5, 30], n),
         "storage": rng.choice([0, 0, 0, 12], n), "output_tokens": pick(0.0, 10.0, 3000.0),
@@ -124,3 +124,31 @@ def test_bad_inputs_are_refused_not_read():
     with pytest.raises(ValueError):  # an output of the wrong shape
         price(tuple(columns.values()), None, np.zeros(4), np.zeros(4), (2, 0, 16, 40, 8), (0.0,) * 13,
               np.zeros((3, 4)), None, 0)
+
+
+def test_waits_added_as_the_formula_adds_them():
+    """``add_waits`` (the memory waits of many candidates, found by one search over their schedules) gives the
+    rows the formula gives with those waits in its ``memory_wait`` column."""
+    rng = np.random.default_rng(7)
+    columns = random_columns(rng, 50)
+    request = SimpleNamespace(keys=list(range(30)), block_size=16, prompt_tokens=490, max_tokens=64)
+    p, reuse, w = CostParams(), 0.4, 0.7
+    shared, resident = rng.integers(0, 31, 50).astype(float), rng.choice([0.0, 9e4], 50)
+    out = compiled_rows(columns, None, shared, resident, request, 5, p, reuse, w)
+    at = np.flatnonzero(rng.random(50) < 0.5)
+    waits = rng.uniform(0, 3, len(at))
+    latency_cost.compiled_add_waits(out, at, waits, w)
+    c = SimpleNamespace(**columns, shared=shared)
+    pending, running, kv, cap, used, new, _, _ = _inputs(np, c, 30, 5, 16, p)
+    wait = np.zeros(50)
+    wait[at] = waits
+    arrays = _objective_columns(np, SimpleNamespace(request=request, costs=CostModel(p)), c, pending, running, kv,
+                                cap, used, new, np.where(c.capacity > 0, resident, 0.0), wait)
+    est = Estimates(*CostModel(p).terms(np, arrays, reuse))
+    np.testing.assert_array_equal(out[OBJECTIVE_ROWS.index("queue_s")], est.queue_s)
+    np.testing.assert_array_equal(out[OBJECTIVE_ROWS.index("ttft_s")], est.queue_s + est.prefill_s)
+    np.testing.assert_array_equal(out[OBJECTIVE_ROWS.index("score")], est.scores(w))
+    with pytest.raises(IndexError):
+        latency_cost.compiled_add_waits(out, np.array([50]), np.zeros(1), w)
+    with pytest.raises(ValueError):
+        latency_cost.compiled_add_waits(out, np.array([1, 2]), np.zeros(1), w)

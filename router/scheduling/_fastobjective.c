@@ -14,7 +14,8 @@
  * What stays in Python: the memory wait, for the few candidates whose blocks do not fit beside the requests in
  * flight (``need``, a row of the output): a search of each one's release schedule. Up to ``max_calls`` of them
  * ``price`` asks ``wait_of`` for each one's and adds it to its queue, TTFT and score here (the formula's order);
- * more, it leaves them to the caller, which searches every schedule at once, and says how many it left.
+ * more, it leaves them to the caller, which searches every schedule at once and hands the waits to
+ * ``add_waits``.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -95,6 +96,10 @@ static inline double np_min(double a, double b) {
 
 /* CPython's float floor division (Objects/floatobject.c, _float_div_mod), which numpy's floor_divide shares */
 static double floor_div(double vx, double wx) {
+    /* whole numbers both, the usual case (tokens over a block size): the integer quotient, which is the same */
+    if (vx > 0.0 && vx < 4503599627370496.0 && wx >= 1.0 && wx < 4503599627370496.0 && vx == (double)(int64_t)vx &&
+        wx == (double)(int64_t)wx)
+        return (double)((int64_t)vx / (int64_t)wx);
     if (wx == 0.0)
         return NAN; /* (unreachable: the block size is positive) */
     double mod = fmod(vx, wx);
@@ -132,6 +137,15 @@ static inline double prefill_s(const Timing *t, double tokens, double budget, do
     if (steps_out)
         *steps_out = steps;
     return tokens > 0 ? steps * np_max(per_step, floor_s) : 0.0;
+}
+
+/* A memory wait into candidate ``k``'s rows: the reference adds it to the queue, then sums as ``price`` does */
+static inline void add_wait(double *o, Py_ssize_t n, Py_ssize_t k, double wait, double w) {
+    const double queue = o[R_QUEUE * n + k] + wait, prefill = o[R_PREFILL * n + k];
+    o[R_QUEUE * n + k] = queue;
+    o[R_TTFT * n + k] = queue + prefill;
+    o[R_SCORE * n + k] = queue + prefill + o[R_STALL * n + k] + o[R_EVICTION * n + k] +
+                         w * (o[R_DECODE * n + k] + o[R_SLOWDOWN * n + k]);
 }
 
 static const char *COLUMN_NAMES[N_COLUMNS] = {
@@ -315,12 +329,7 @@ static PyObject *price(PyObject *self, PyObject *args) {
             Py_DECREF(got);
             if (wait == -1.0 && PyErr_Occurred())
                 goto done;
-            /* the reference adds the wait to the queue, then sums as above */
-            const double queue = o[R_QUEUE * n + k] + wait, prefill = o[R_PREFILL * n + k];
-            o[R_QUEUE * n + k] = queue;
-            o[R_TTFT * n + k] = queue + prefill;
-            o[R_SCORE * n + k] = queue + prefill + o[R_STALL * n + k] + o[R_EVICTION * n + k] +
-                                 w * (o[R_DECODE * n + k] + o[R_SLOWDOWN * n + k]);
+            add_wait(o, n, k, wait, w);
         }
         needing = 0;
     }
@@ -338,8 +347,56 @@ done:
     return PyLong_FromSsize_t(needing);
 }
 
+PyDoc_STRVAR(add_waits_doc,
+"add_waits(out, positions, waits, kv_load_weight)\n\n"
+"The memory waits ``price`` left to the caller (int64 candidate positions, float64 waits) into ``out``'s rows.");
+
+static PyObject *add_waits(PyObject *self, PyObject *args) {
+    PyObject *out_o, *at_o, *waits_o;
+    double w;
+    if (!PyArg_ParseTuple(args, "OOOd", &out_o, &at_o, &waits_o, &w))
+        return NULL;
+    Column at, waits;
+    Py_buffer out;
+    int out_held = 0, ok = 0;
+    at.held = waits.held = 0;
+    if (column_open(&at, at_o, "positions") < 0 || column_open(&waits, waits_o, "waits") < 0)
+        goto done;
+    if (at.kind != 'q' || waits.kind != 'd' || column_len(&at) != column_len(&waits)) {
+        PyErr_SetString(PyExc_ValueError, "positions (int64) and waits (float64) of one length expected");
+        goto done;
+    }
+    if (PyObject_GetBuffer(out_o, &out, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    out_held = 1;
+    if (out.ndim != 2 || out.shape[0] != N_ROWS || out.itemsize != 8) {
+        PyErr_Format(PyExc_ValueError, "out: float64 with %d rows expected", N_ROWS);
+        goto done;
+    }
+    const Py_ssize_t n = out.shape[1], m = column_len(&at);
+    const int64_t *pos = (const int64_t *)at.view.buf;
+    const double *wait = (const double *)waits.view.buf;
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (pos[i] < 0 || pos[i] >= n) {
+            PyErr_SetString(PyExc_IndexError, "positions: a candidate out of range");
+            goto done;
+        }
+    for (Py_ssize_t i = 0; i < m; i++)
+        add_wait((double *)out.buf, n, (Py_ssize_t)pos[i], wait[i], w);
+    ok = 1;
+done:
+    column_close(&at);
+    column_close(&waits);
+    if (out_held)
+        PyBuffer_Release(&out);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"price", price, METH_VARARGS, price_doc},
+    {"add_waits", add_waits, METH_VARARGS, add_waits_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -28,9 +28,10 @@ from router.scheduling.scalar_ops import SCALAR_OPS
 from router.scheduling.snapshot import Candidate, Snapshot
 
 try:
+    from router.scheduling._fastobjective import add_waits as compiled_add_waits
     from router.scheduling._fastobjective import price as compiled_price
 except ImportError:  # built without a C compiler: the formula in Python prices every candidate
-    compiled_price = None
+    compiled_price = compiled_add_waits = None
 
 
 @dataclass(frozen=True)
@@ -127,14 +128,9 @@ class LatencyCost(Scorer):
             (*_compiled_params(p), p.reuse_prior if reuse is None else reuse, w), out, wait_of, SCALAR_WAITS)
         if left:
             at = set_slots(out[_ROW["need"]] > 0)
-            cols = snap.cols
-            queue = out[_ROW["queue_s"], at] + _memory_waits(snap, slots[at], out[_ROW["over"], at],
-                                                              cols.active_blocks[slots[at]], cols.capacity[slots[at]])
-            prefill = out[_ROW["prefill_s"], at]
-            out[_ROW["queue_s"], at] = queue
-            out[_ROW["ttft_s"], at] = queue + prefill
-            out[_ROW["score"], at] = (queue + prefill + out[_ROW["stall_s"], at] + out[_ROW["eviction_s"], at]
-                                      + w * (out[_ROW["decode_s"], at] + out[_ROW["slowdown_s"], at]))
+            need, cols = slots[at], snap.cols
+            compiled_add_waits(out, at, _memory_waits(snap, need, out[_ROW["over"], at], cols.active_blocks[need],
+                                                      cols.capacity[need]), w)
         snap.set_reports(slots, **dict(zip(_REPORTED, out, strict=False)))
         return out[_ROW["score"]]
 
