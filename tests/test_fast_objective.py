@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from router.scheduling import columns as fleet_columns
 from router.scheduling.cost import CostModel, CostParams, Estimates
 from router.scheduling.engine_profile import StepTiming
 from router.scheduling.plugins.scorers import latency_cost
@@ -152,3 +153,43 @@ def test_waits_added_as_the_formula_adds_them():
         latency_cost.compiled_add_waits(out, np.array([50]), np.zeros(1), w)
     with pytest.raises(ValueError):
         latency_cost.compiled_add_waits(out, np.array([1, 2]), np.zeros(1), w)
+
+
+def test_release_waits_search_as_the_numpy_search_does():
+    """``release_waits`` (each worker's release schedule searched in C) answers what the numpy search over the
+    padded rows answers, and what ``bisect`` on each row does: edge values included (nothing lacking, more
+    than everything frees, ties on a row's steps, rows of one entry and of many); a NaN reads the last entry."""
+    compiled = fleet_columns.compiled_release_waits
+    assert compiled is not None, "router.scheduling._fastobjective was not built: is a C compiler installed?"
+    rng = np.random.default_rng(11)
+    for width in (1, 2, 3, 8, 17):
+        n = 40
+        ends = np.sort(rng.uniform(90.0, 130.0, (n, width)), axis=1)
+        freed = np.sort(rng.integers(1, 200, (n, width)), axis=1).astype(float)
+        freed[:, -1] = np.inf  # (every row ends in +inf, as the columns keep them)
+        slots = rng.integers(0, n, 300)
+        blocks = rng.choice(np.array([0.0, 1.0, 50.0, 120.0, 199.0, 500.0, 1e300]), 300)
+        blocks[::7] = freed[slots[::7], rng.integers(0, width, len(slots[::7]))]  # exact ties
+        got = np.empty(300)
+        compiled(freed, ends, slots, blocks, 100.0, got)
+        cols = SimpleNamespace(release_freed=freed, release_ends=ends)
+        lo, hi = np.zeros(300, dtype=np.int64), np.full(300, width - 1, dtype=np.int64)
+        for _ in range(int(width - 1).bit_length()):  # (FleetColumns.release_waits' numpy search)
+            mid = (lo + hi) // 2
+            enough = cols.release_freed[slots, mid] >= blocks
+            hi, lo = np.where(enough, mid, hi), np.where(enough, lo, mid + 1)
+        np.testing.assert_array_equal(got, np.maximum(0.0, ends[slots, lo] - 100.0))
+        for j in range(300):
+            i = min(int(np.searchsorted(freed[slots[j]], blocks[j], side="left")), width - 1)
+            assert got[j] == max(0.0, ends[slots[j], i] - 100.0)
+        compiled(freed, ends, slots[:3], np.full(3, np.nan), 100.0, got[:3])
+        np.testing.assert_array_equal(got[:3], np.maximum(0.0, ends[slots[:3], -1] - 100.0))
+    one = np.zeros((3, 2))
+    with pytest.raises(IndexError):
+        compiled(one, one, np.array([3]), np.zeros(1), 0.0, np.empty(1))
+    with pytest.raises(ValueError):  # schedules of different shapes
+        compiled(one, np.zeros((3, 4)), np.array([0]), np.zeros(1), 0.0, np.empty(1))
+    with pytest.raises(ValueError):  # an output of the wrong length
+        compiled(one, one, np.array([0, 1]), np.zeros(2), 0.0, np.empty(1))
+    with pytest.raises(ValueError):  # slots that are not integers
+        compiled(one, one, np.array([0.0]), np.zeros(1), 0.0, np.empty(1))

@@ -13,7 +13,7 @@ import pytest
 from router.events.feed import WorkerFeed
 from router.index import Medium
 from router.load import EngineMetrics, tail_blocks
-from router.scheduling import Endpoint, RouteRequest, RoutingConfig, RoutingCore, snapshot
+from router.scheduling import Endpoint, RouteRequest, RoutingConfig, RoutingCore, columns, snapshot
 from router.scheduling.cost import Columns
 from router.scheduling.plugins.base import Filter, Scorer
 from router.scheduling.plugins.filters.admission import Admission, AdmissionParams
@@ -40,7 +40,8 @@ def paths(request, monkeypatch):
     memory wait its worker's own search and with one search over every schedule; then without it: with the
     scorer's and the picker's few-worker shortcuts (the objective on each candidate's floats, a scalar memory
     wait per worker, the prefix match on lists, Python's sort) as they are; with the arrays forced for any fleet;
-    and with the objective priced candidate by candidate for any fleet."""
+    and with the objective priced candidate by candidate for any fleet (the release schedules' search in numpy
+    in all three)."""
     if request.param.startswith("compiled"):
         assert latency_cost.compiled_price is not None, \
             "router.scheduling._fastobjective was not built: is a C compiler installed?"
@@ -48,6 +49,7 @@ def paths(request, monkeypatch):
             monkeypatch.setattr(latency_cost, "SCALAR_WAITS", 0)
         return
     monkeypatch.setattr(latency_cost, "compiled_price", None)
+    monkeypatch.setattr(columns, "compiled_release_waits", None)
     if request.param == "array paths":
         monkeypatch.setattr(latency_cost, "SCALAR_WAITS", 0)
         monkeypatch.setattr(latency_cost, "SCALAR_CANDIDATES", 0)

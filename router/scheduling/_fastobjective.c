@@ -394,9 +394,86 @@ done:
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(release_waits_doc,
+"release_waits(freed, ends, slots, blocks, now, out)\n\n"
+"``FleetColumns.release_waits``' search: for each of ``slots`` (int64 rows of the float64 (workers, width)\n"
+"arrays ``freed`` and ``ends``, each row ending in +inf), the first position whose blocks freed reach the\n"
+"``blocks`` it lacks (float64), and max(0, the finish time there - now) into ``out`` (float64).");
+
+static PyObject *release_waits(PyObject *self, PyObject *args) {
+    PyObject *freed_o, *ends_o, *slots_o, *blocks_o, *out_o;
+    double now;
+    if (!PyArg_ParseTuple(args, "OOOOdO", &freed_o, &ends_o, &slots_o, &blocks_o, &now, &out_o))
+        return NULL;
+    Py_buffer freed, ends;
+    Column slots, blocks, out;
+    int freed_held = 0, ends_held = 0, ok = 0;
+    slots.held = blocks.held = out.held = 0;
+    if (PyObject_GetBuffer(freed_o, &freed, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    freed_held = 1;
+    if (PyObject_GetBuffer(ends_o, &ends, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    ends_held = 1;
+    if (freed.ndim != 2 || ends.ndim != 2 || freed.itemsize != 8 || ends.itemsize != 8 ||
+        freed.shape[0] != ends.shape[0] || freed.shape[1] != ends.shape[1] || freed.shape[1] < 1 ||
+        !freed.format || !ends.format || strcmp(freed.format, "d") || strcmp(ends.format, "d")) {
+        PyErr_SetString(PyExc_ValueError, "freed and ends: float64 arrays of one (workers, width) shape expected");
+        goto done;
+    }
+    if (column_open(&slots, slots_o, "slots") < 0 || column_open(&blocks, blocks_o, "blocks") < 0 ||
+        column_open(&out, out_o, "out") < 0)
+        goto done;
+    const Py_ssize_t m = column_len(&slots), rows = freed.shape[0], width = freed.shape[1];
+    if (slots.kind != 'q' || blocks.kind != 'd' || out.kind != 'd' || out.view.readonly ||
+        column_len(&blocks) != m || column_len(&out) != m) {
+        PyErr_SetString(PyExc_ValueError, "slots (int64), blocks and a writable out (float64) of one length expected");
+        goto done;
+    }
+    const int64_t *row_of = (const int64_t *)slots.view.buf;
+    for (Py_ssize_t j = 0; j < m; j++)
+        if (row_of[j] < 0 || row_of[j] >= rows) {
+            PyErr_SetString(PyExc_IndexError, "slots: a row out of range");
+            goto done;
+        }
+    /* the numpy search's steps: bit_length(width - 1) halvings of [0, width - 1], ``freed >= blocks`` moving
+     * the top down; the last entry, +inf, is always enough, so the top stays on an entry that is (only a NaN,
+     * never enough, would step past the last: it reads the last, the longest wait) */
+    int steps = 0;
+    for (Py_ssize_t v = width - 1; v; v >>= 1)
+        steps++;
+    const double *f = (const double *)freed.buf, *e = (const double *)ends.buf, *b = (const double *)blocks.view.buf;
+    double *o = (double *)out.view.buf;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        const double *row = f + row_of[j] * width;
+        Py_ssize_t lo = 0, hi = width - 1;
+        for (int s = 0; s < steps; s++) {
+            Py_ssize_t mid = (lo + hi) / 2;
+            if (row[mid] >= b[j])
+                hi = mid;
+            else
+                lo = mid + 1;
+        }
+        o[j] = np_max(0.0, e[row_of[j] * width + (lo < width ? lo : width - 1)] - now);
+    }
+    ok = 1;
+done:
+    column_close(&slots);
+    column_close(&blocks);
+    column_close(&out);
+    if (freed_held)
+        PyBuffer_Release(&freed);
+    if (ends_held)
+        PyBuffer_Release(&ends);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"price", price, METH_VARARGS, price_doc},
     {"add_waits", add_waits, METH_VARARGS, add_waits_doc},
+    {"release_waits", release_waits, METH_VARARGS, release_waits_doc},
     {NULL, NULL, 0, NULL},
 };
 

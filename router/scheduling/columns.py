@@ -17,6 +17,11 @@ import numpy as np
 
 from router.scheduling.types import Endpoint
 
+try:  # the search below in C (router/scheduling/_fastobjective.c), built where a compiler was
+    from router.scheduling._fastobjective import release_waits as compiled_release_waits
+except ImportError:  # pragma: no cover - a build without the extension
+    compiled_release_waits = None
+
 if TYPE_CHECKING:
     from router.scheduling.state import FleetState
 
@@ -178,6 +183,11 @@ class FleetColumns:
                 self.release_freed[i, :k] = freed_i
                 self.release_freed[i, k:] = np.inf
                 self.release_step[i] = step
+        if compiled_release_waits is not None:  # each row's search in C: the loop below's steps, one pass
+            out = np.empty(len(slots))
+            compiled_release_waits(self.release_freed, self.release_ends, slots, np.asarray(blocks, dtype=float),
+                                   now, out)
+            return out
         # bisect_left on every row at once: a few gathers of one value per row (the rows end in +inf, so the
         # last column always answers), whatever the widest worker's schedule
         freed = self.release_freed
