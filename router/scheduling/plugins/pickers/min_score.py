@@ -124,6 +124,9 @@ def head_order(s: np.ndarray, draws: np.ndarray, k: int) -> np.ndarray | None:
     near = np.flatnonzero(s <= kth + max(1e-8, abs(kth) * 1e-12))  # kth inf: every one
     if 4 * len(near) > n:
         return None
+    if len(near) <= SORTED_UP_TO:  # a few (the usual case): Python's sort of ``pick``'s keys costs less
+        sn, dn = s[near].tolist(), draws[near].tolist()
+        return near[sorted(range(len(near)), key=lambda j: (round(sn[j], 9), dn[j]))[:k]]
     return near[ordered(s[near], draws[near])[:k]]
 
 
