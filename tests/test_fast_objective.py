@@ -172,13 +172,7 @@ def test_release_waits_search_as_the_numpy_search_does():
         blocks[::7] = freed[slots[::7], rng.integers(0, width, len(slots[::7]))]  # exact ties
         got = np.empty(300)
         compiled(freed, ends, slots, blocks, 100.0, got)
-        cols = SimpleNamespace(release_freed=freed, release_ends=ends)
-        lo, hi = np.zeros(300, dtype=np.int64), np.full(300, width - 1, dtype=np.int64)
-        for _ in range(int(width - 1).bit_length()):  # (FleetColumns.release_waits' numpy search)
-            mid = (lo + hi) // 2
-            enough = cols.release_freed[slots, mid] >= blocks
-            hi, lo = np.where(enough, mid, hi), np.where(enough, lo, mid + 1)
-        np.testing.assert_array_equal(got, np.maximum(0.0, ends[slots, lo] - 100.0))
+        np.testing.assert_array_equal(got, fleet_columns.search_release_rows(freed, ends, slots, blocks, 100.0))
         for j in range(300):
             i = min(int(np.searchsorted(freed[slots[j]], blocks[j], side="left")), width - 1)
             assert got[j] == max(0.0, ends[slots[j], i] - 100.0)

@@ -183,19 +183,24 @@ class FleetColumns:
                 self.release_freed[i, :k] = freed_i
                 self.release_freed[i, k:] = np.inf
                 self.release_step[i] = step
-        if compiled_release_waits is not None:  # each row's search in C: the loop below's steps, one pass
+        if compiled_release_waits is not None:  # each row's search in C: ``search_release_rows``' steps, one pass
             out = np.empty(len(slots))
             compiled_release_waits(self.release_freed, self.release_ends, slots, np.asarray(blocks, dtype=float),
                                    now, out)
             return out
-        # bisect_left on every row at once: a few gathers of one value per row (the rows end in +inf, so the
-        # last column always answers), whatever the widest worker's schedule
-        freed = self.release_freed
-        lo = np.zeros(len(slots), dtype=np.int64)
-        hi = np.full(len(slots), freed.shape[1] - 1, dtype=np.int64)
-        for _ in range(int(freed.shape[1] - 1).bit_length()):
-            mid = (lo + hi) // 2
-            enough = freed[slots, mid] >= blocks
-            hi = np.where(enough, mid, hi)
-            lo = np.where(enough, lo, mid + 1)
-        return np.maximum(0.0, self.release_ends[slots, lo] - now)
+        return search_release_rows(self.release_freed, self.release_ends, slots, blocks, now)
+
+
+def search_release_rows(freed: np.ndarray, ends: np.ndarray, slots: np.ndarray, blocks: np.ndarray,
+                        now: float) -> np.ndarray:
+    """``FleetColumns.release_waits``' search in numpy (the reference of the compiled one): bisect_left on every
+    row at once, a few gathers of one value per row (the rows end in +inf, so the last column always answers),
+    whatever the widest worker's schedule."""
+    lo = np.zeros(len(slots), dtype=np.int64)
+    hi = np.full(len(slots), freed.shape[1] - 1, dtype=np.int64)
+    for _ in range(int(freed.shape[1] - 1).bit_length()):
+        mid = (lo + hi) // 2
+        enough = freed[slots, mid] >= blocks
+        hi = np.where(enough, mid, hi)
+        lo = np.where(enough, lo, mid + 1)
+    return np.maximum(0.0, ends[slots, lo] - now)
