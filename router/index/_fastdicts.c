@@ -10,6 +10,11 @@
  * and a pop each do in one lookup what takes the interpreter two). The dicts' contents and the order of each
  * worker's map are exactly what the Python loop leaves (tests/test_index.py runs both against the brute-force
  * model and compares their LRU order).
+ *
+ * Also the per-key loops of a request's dispatch and end, for the same reason: the load accounting's counts of
+ * the prompt blocks in flight (``count_keys``) and the speculative prefixes' claims on them (``claim_keys``,
+ * ``release_claims``): about a thousand dict operations for an 8K-token prompt, on the request's path. Their
+ * Python loops stay the reference (tests/test_dispatch_loops.py holds the two to the same dicts, in order).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -552,6 +557,139 @@ static PyObject *keys_of(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* count_keys(counts, keys, delta) -> None
+ * ``counts[k] += delta`` for each of ``keys`` (delta +1 or -1), a count reaching 0 deleted: what the load
+ * accounting does for every prompt block of a request it dispatches or ends (router/load/accounting.py's loops
+ * are the reference). A decrement of a key with no count raises KeyError, as ``counts[k]`` does there; the
+ * counts are ints, as that class writes them. */
+static PyObject *count_keys(PyObject *self, PyObject *args) {
+    PyObject *counts, *keys_in;
+    int delta;
+    if (!PyArg_ParseTuple(args, "O!Oi", &PyDict_Type, &counts, &keys_in, &delta))
+        return NULL;
+    if (delta != 1 && delta != -1) {
+        PyErr_SetString(PyExc_ValueError, "delta must be 1 or -1");
+        return NULL;
+    }
+    PyObject *keys = PySequence_Fast(keys_in, "keys must be a sequence");
+    if (!keys)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject *one = PyLong_FromLong(1);
+    if (!one)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PySequence_Fast_GET_ITEM(keys, i);
+        PyObject *count; /* borrowed */
+        if (delta > 0) { /* a key new here (the usual case) costs one lookup: inserted with its count, 1 */
+            Py_ssize_t before = PyDict_GET_SIZE(counts);
+            count = PyDict_SetDefault(counts, k, one);
+            if (!count)
+                goto fail_one;
+            if (PyDict_GET_SIZE(counts) != before)
+                continue;
+        } else {
+            count = PyDict_GetItemWithError(counts, k);
+            if (!count) {
+                if (!PyErr_Occurred())
+                    PyErr_SetObject(PyExc_KeyError, k);
+                goto fail_one;
+            }
+        }
+        long long was = PyLong_AsLongLong(count);
+        if (was == -1 && PyErr_Occurred())
+            goto fail_one;
+        long long left = was + delta;
+        if (left == 0) {
+            if (PyDict_DelItem(counts, k) < 0)
+                goto fail_one;
+            continue;
+        }
+        PyObject *value = PyLong_FromLongLong(left);
+        if (!value)
+            goto fail_one;
+        int rc = PyDict_SetItem(counts, k, value);
+        Py_DECREF(value);
+        if (rc < 0)
+            goto fail_one;
+    }
+    Py_DECREF(one);
+    Py_DECREF(keys);
+    Py_RETURN_NONE;
+fail_one:
+    Py_DECREF(one);
+fail:
+    Py_DECREF(keys);
+    return NULL;
+}
+
+/* claim_keys(owner, keys, entry) -> list
+ * ``SpeculativePrefixes.record``: each key's entry before (None where it had none), read for all of them first,
+ * then ``owner[k] = entry`` for each. */
+static PyObject *claim_keys(PyObject *self, PyObject *args) {
+    PyObject *owner, *keys_in, *entry;
+    if (!PyArg_ParseTuple(args, "O!OO", &PyDict_Type, &owner, &keys_in, &entry))
+        return NULL;
+    PyObject *keys = PySequence_Fast(keys_in, "keys must be a sequence");
+    if (!keys)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject *previous = PyList_New(n);
+    if (!previous)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *was = PyDict_GetItemWithError(owner, PySequence_Fast_GET_ITEM(keys, i)); /* borrowed */
+        if (!was && PyErr_Occurred())
+            goto fail;
+        PyList_SET_ITEM(previous, i, Py_NewRef(was ? was : Py_None));
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (PyDict_SetItem(owner, PySequence_Fast_GET_ITEM(keys, i), entry) < 0)
+            goto fail;
+    Py_DECREF(keys);
+    return previous;
+fail:
+    Py_XDECREF(previous);
+    Py_DECREF(keys);
+    return NULL;
+}
+
+/* release_claims(owner, keys, previous, entry) -> None
+ * ``claim_keys`` taken back: each key still owned by ``entry`` (the same object: not claimed again since)
+ * returns to its previous entry, or leaves ``owner`` where it had none. */
+static PyObject *release_claims(PyObject *self, PyObject *args) {
+    PyObject *owner, *keys_in, *previous, *entry;
+    if (!PyArg_ParseTuple(args, "O!OO!O", &PyDict_Type, &owner, &keys_in, &PyList_Type, &previous, &entry))
+        return NULL;
+    PyObject *keys = PySequence_Fast(keys_in, "keys must be a sequence");
+    if (!keys)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    if (PyList_GET_SIZE(previous) != n) {
+        PyErr_SetString(PyExc_ValueError, "as many previous entries as keys");
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PySequence_Fast_GET_ITEM(keys, i);
+        PyObject *now_there = PyDict_GetItemWithError(owner, k); /* borrowed */
+        if (!now_there) {
+            if (PyErr_Occurred())
+                goto fail;
+            continue;
+        }
+        if (now_there != entry)
+            continue;
+        PyObject *was = PyList_GET_ITEM(previous, i);
+        if ((was == Py_None ? PyDict_DelItem(owner, k) : PyDict_SetItem(owner, k, was)) < 0)
+            goto fail;
+    }
+    Py_DECREF(keys);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(keys);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"keys_of", keys_of, METH_VARARGS, "KvIndex.keys_of: key_of of each hash, those held nowhere left out."},
     {"store_new", store_new, METH_VARARGS, "KvIndex.store's loop for blocks new to the worker."},
@@ -559,6 +697,9 @@ static PyMethodDef methods[] = {
     {"gpu_prefix", gpu_prefix, METH_VARARGS, "KvIndex.match_lengths of a GPU-only index: (slots, lengths)."},
     {"remove_plain", remove_plain, METH_VARARGS, "KvIndex.remove's loop for a worker without copies or shared keys."},
     {"speculative_prefixes", speculative_prefixes, METH_VARARGS, "SpeculativePrefixes.match's walk."},
+    {"count_keys", count_keys, METH_VARARGS, "counts[k] += delta (1 or -1) for each key; a count at 0 deleted."},
+    {"claim_keys", claim_keys, METH_VARARGS, "SpeculativePrefixes.record: the previous entries, then owner[k] = entry."},
+    {"release_claims", release_claims, METH_VARARGS, "claim_keys taken back where entry still owns a key."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -12,10 +12,36 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-try:  # the walk in C (router/index/_fastdicts.c), built where a compiler was
+try:  # the walk and the claims' loops in C (router/index/_fastdicts.c), built where a compiler was
+    from router.index._fastdicts import claim_keys as _compiled_claim
+    from router.index._fastdicts import release_claims as _compiled_release
     from router.index._fastdicts import speculative_prefixes as _compiled_walk
 except ImportError:  # pragma: no cover - a build without the extension
-    _compiled_walk = None
+    _compiled_walk = _compiled_claim = _compiled_release = None
+
+
+def py_claim_keys(owner: dict, keys: Sequence[int], entry: tuple[str, float]) -> list:
+    """Each key's entry before (None where it had none), then ``owner[k] = entry`` for each: the reference of
+    the compiled ``claim_keys``."""
+    previous = [owner.get(k) for k in keys]
+    for k in keys:
+        owner[k] = entry
+    return previous
+
+
+def py_release_claims(owner: dict, keys: Sequence[int], previous: list, entry: tuple[str, float]) -> None:
+    """``claim_keys`` taken back: each key ``entry`` still owns (not claimed again since) returns to its previous
+    entry, or leaves ``owner`` where it had none: the reference of the compiled ``release_claims``."""
+    for k, prev in zip(keys, previous, strict=True):
+        if owner.get(k) is entry:
+            if prev is None:
+                del owner[k]
+            else:
+                owner[k] = prev
+
+
+claim_keys = _compiled_claim or py_claim_keys
+release_claims = _compiled_release or py_release_claims
 
 
 class SpeculativePrefixes:
@@ -35,19 +61,10 @@ class SpeculativePrefixes:
         if len(self._owner) + len(keys) > self.max_entries:
             self._purge(now)
         entry = (worker_id, now + self.ttl_s)
-        owner = self._owner
-        previous = [owner.get(k) for k in keys]
-        for k in keys:
-            owner[k] = entry
+        previous = claim_keys(self._owner, keys, entry)
 
         def undo() -> None:
-            owner = self._owner  # (a purge may have replaced the dict)
-            for k, prev in zip(keys, previous, strict=True):
-                if owner.get(k) is entry:  # not recorded again since
-                    if prev is None:
-                        del owner[k]
-                    else:
-                        owner[k] = prev
+            release_claims(self._owner, keys, previous, entry)  # (a purge may have replaced the dict)
 
         return undo
 

@@ -15,6 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
+try:  # the per-key loops in C (router/index/_fastdicts.c), built where a compiler was; the loops below the reference
+    from router.index._fastdicts import count_keys as _compiled_count_keys
+except ImportError:  # pragma: no cover - a build without the extension
+    _compiled_count_keys = None
+
 
 def tail_blocks(prompt_tokens: int, full_blocks: int, max_tokens: int, block_size: int) -> int:
     """KV blocks a request needs beyond its full prompt blocks: its partial last block and its output."""
@@ -68,6 +73,26 @@ class WorkerLoad:
         return lo
 
 
+def py_count_keys(counts: dict[int, int], keys: Sequence[int], delta: int) -> None:
+    """``counts[k] += delta`` (1 or -1) for each of ``keys``, a count reaching 0 deleted (a decrement of a key
+    with no count raises KeyError): the reference of the compiled ``count_keys``."""
+    if delta == 1:
+        for k in keys:
+            counts[k] = counts.get(k, 0) + 1
+        return
+    if delta != -1:
+        raise ValueError("delta must be 1 or -1")
+    for k in keys:
+        left = counts[k] - 1
+        if left:
+            counts[k] = left
+        else:
+            del counts[k]
+
+
+count_keys = _compiled_count_keys or py_count_keys
+
+
 def _shared_len(keys: Sequence[int], active: dict[int, int]) -> int:
     """How many leading ``keys`` (a request's, in flight) another request in flight holds too: a binary search,
     since a request holding a key holds every key before it (keys are chained)."""
@@ -112,9 +137,7 @@ class LoadTracker:
         self.inflight[request_id] = InFlight(worker_id, prompt_tokens, uncached_tokens, max_tokens, now,
                                              predicted_ttft_s, None, keys, tail)
         w = self.load(worker_id)
-        active = w.active_keys
-        for k in keys:
-            active[k] = active.get(k, 0) + 1
+        count_keys(w.active_keys, keys, 1)
         if keys:
             holders = self.first_key_holders
             holders[keys[0]] = holders.get(keys[0], 0) + 1
@@ -144,13 +167,7 @@ class LoadTracker:
         if r is None:
             return None
         w = self.load(r.worker_id)
-        active = w.active_keys
-        for k in r.keys:
-            left = active[k] - 1
-            if left:
-                active[k] = left
-            else:
-                del active[k]
+        count_keys(w.active_keys, r.keys, -1)
         if r.keys:
             self._unhold(r.keys[0])
         w.tail_blocks -= r.tail_blocks
