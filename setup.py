@@ -2,8 +2,9 @@
 fallback: router/_fastkeys.c (chained block keys), router/index/_fastdicts.c (the dict index's store and remove
 loops and its match walk), router/index/_fastcompact.c (the compact index's store and remove loops),
 router/scheduling/_fastghosts.c (the reuse statistics' ghost list), router/events/_fasttokens.c (an event's
-token ids read from their msgpack bytes) and router/scheduling/_fastobjective.c (the routing objective's
-per-candidate arithmetic, built with no fused multiply-adds so it rounds as numpy does); their headers say why.
+token ids read from their msgpack bytes), router/scheduling/_fastobjective.c (the routing objective's
+per-candidate arithmetic, built with no fused multiply-adds so it rounds as numpy does) and sim/_fastworkload.c
+(a trace row's synthesised prompt tokens); their headers say why.
 Optional: where no C compiler is found the build goes on without them."""
 
 from setuptools import Extension, setup
@@ -15,6 +16,7 @@ setup(ext_modules=[Extension(name, [source], optional=True, extra_compile_args=[
                                         ("router.index._fastdicts", "router/index/_fastdicts.c"),
                                         ("router.index._fastcompact", "router/index/_fastcompact.c"),
                                         ("router.scheduling._fastghosts", "router/scheduling/_fastghosts.c"),
-                                        ("router.events._fasttokens", "router/events/_fasttokens.c"))]
+                                        ("router.events._fasttokens", "router/events/_fasttokens.c"),
+                                        ("sim._fastworkload", "sim/_fastworkload.c"))]
             + [Extension("router.scheduling._fastobjective", ["router/scheduling/_fastobjective.c"], optional=True,
                          extra_compile_args=["-O2", "-ffp-contract=off"])])

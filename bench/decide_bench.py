@@ -17,7 +17,9 @@ so).
 
 Every precise cell also reports the index match alone (``match_p50_ms``: ``index.match`` of the prompt's keys,
 the part of a decision the router's scheduling code does not own) and the run names its index layout
-(``index_layout``, the default: ``dicts``): at 1,000 workers the match is most of a decision.
+(``index_layout``, the default: ``dicts``): at 1,000 workers the match is most of a decision. It also times the
+request's accounting around the decision (``lifecycle_p50_ms``: ``dispatch`` to the chosen worker and
+``completed``, a thousand dict operations for an 8K prompt's 512 blocks), on the request's path too.
 
 Other profiles (``--policies``) are timed on the 64-worker cells beside precise: a profile without a
 prefix-aware scorer never walks the index, so it must cost less. ``--baseline REV`` runs the same bench from
@@ -73,14 +75,16 @@ WARMUP = 5  # decisions each turn runs first, untimed: the turn's timed decision
 
 
 def _time_cells(cells: dict[str, RoutingCore], keys: list[int], n_tokens: int, iters: int,
-                p50: dict[str, float], p99_ms: dict[str, float], match_p50: dict[str, float] | None = None) -> None:
+                p50: dict[str, float], p99_ms: dict[str, float], match_p50: dict[str, float] | None = None,
+                lifecycle_p50: dict[str, float] | None = None) -> None:
     """Time every cell's decisions, the cells taking turns ``CHUNK`` decisions at a time, so that the fleet
     sizes of one prompt meet the machine alike (their ratio is what the bench reports; on these shared
     machines the speed of the same code moved 2x within minutes). Each turn first runs ``WARMUP`` decisions
     untimed, so that the other cells' turns do not leave the timed ones a colder cache than a run of decisions
     on one fleet has. ``match_p50``: also the index match alone (``index.match`` of the prompt's keys), a
-    decision's floor."""
+    decision's floor. ``lifecycle_p50``: the dispatch and completion of each timed decision's request."""
     samples: dict[str, list[float]] = {label: [] for label in cells}
+    lifecycle: dict[str, list[float]] = {label: [] for label in cells}
     gc.collect()
     for start in range(0, iters, CHUNK):
         for label, core in cells.items():
@@ -91,12 +95,17 @@ def _time_cells(cells: dict[str, RoutingCore], keys: list[int], n_tokens: int, i
                 if i >= start:
                     samples[label].append((time.perf_counter() - t0) * 1e3)
                 # as in a live router, the chosen worker's requests change before the next decision
+                t0 = time.perf_counter()
                 core.dispatch(req, d, d.chosen, now=0.5)
                 core.completed(req.request_id, now=0.5)
+                if i >= start:
+                    lifecycle[label].append((time.perf_counter() - t0) * 1e3)
     for label, core in cells.items():
         times = sorted(samples[label])
         p50[label] = round(statistics.median(times), 4)
         p99_ms[label] = round(p99(times), 4)
+        if lifecycle_p50 is not None:
+            lifecycle_p50[label] = round(statistics.median(lifecycle[label]), 4)
         if match_p50 is not None and "/" not in label:
             alone = []
             for _ in range(max(10, iters // 8)):
@@ -114,6 +123,7 @@ def run(quick: bool = False, policies: tuple[str, ...] = ("precise",)) -> dict:
     p50: dict[str, float] = {}
     p99_ms: dict[str, float] = {}
     match_p50: dict[str, float] = {}
+    lifecycle_p50: dict[str, float] = {}
     blocks = 2000 if quick else 16_000
     for size_name, n_tokens in SIZES.items():
         tokens = [rng.randrange(32000) for _ in range(n_tokens)]
@@ -125,9 +135,10 @@ def run(quick: bool = False, policies: tuple[str, ...] = ("precise",)) -> dict:
         for policy in policies:
             if policy != "precise":
                 cells[f"{size_name}@64/{policy}"] = _core(64, keys, blocks, other, policy)
-        _time_cells(cells, keys, n_tokens, iters, p50, p99_ms, match_p50)
+        _time_cells(cells, keys, n_tokens, iters, p50, p99_ms, match_p50, lifecycle_p50)
         del cells
-    return {"p50_ms": p50, "p99_ms": p99_ms, "match_p50_ms": match_p50, "iterations": iters, "block_size": BLOCK,
+    return {"p50_ms": p50, "p99_ms": p99_ms, "match_p50_ms": match_p50, "lifecycle_p50_ms": lifecycle_p50,
+            "iterations": iters, "block_size": BLOCK,
             "index_layout": RoutingConfig().index, "interleaved": CHUNK}
 
 
@@ -136,17 +147,21 @@ def _subprocess_run(tree: Path | None, quick: bool, policies: tuple[str, ...], b
     folder holding only this tree's ``bench`` package (a link), put first on the path, so that a baseline is
     timed by the same bench code as this tree; without it, ``tree``'s own bench runs."""
     own = bench_dir is None and tree is not None
-    code = ("import json, sys, router\n"
+    cwd = tree or Path(__file__).resolve().parents[1]
+    path = [str(cwd)] if bench_dir is None else [str(bench_dir), str(cwd)]
+    # first on the path (``python -c`` puts its working directory, ``tree``, before PYTHONPATH: without this the
+    # baseline's own bench ran, not this tree's)
+    code = (f"import sys\nsys.path[:0] = {path!r}\nimport json, router\n"
             "try:  # a commit from before bench/ left router/\n    from router.bench.decide_bench import run\n"
             "except ImportError:\n    from bench.decide_bench import run\n"
             f"r = run(quick={quick!r}" + (")" if own else f", policies={policies!r})") +
-            "; r['router'] = router.__file__; print(json.dumps(r))")
-    cwd = tree or Path(__file__).resolve().parents[1]
-    path = [str(cwd)] if bench_dir is None else [str(bench_dir), str(cwd)]
+            "; r['router'] = router.__file__; r['bench'] = run.__code__.co_filename; print(json.dumps(r))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     out = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, check=True)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["router"].startswith(str(cwd)), f"ran {res['router']}, not {cwd}"
+    if bench_dir is not None:  # timed by this tree's bench code, as asked
+        assert res["bench"].startswith(str(bench_dir)), f"timed by {res['bench']}, not {bench_dir}"
     return res
 
 
@@ -180,10 +195,11 @@ def compare(baseline: str, quick: bool, rounds: int, policies: tuple[str, ...]) 
     if "match_p50_ms" in runs["current"][0]:  # this tree's bench only: the baseline's may not time it
         out["match_p50_ms"] = {label: round(statistics.median(r["match_p50_ms"][label] for r in runs["current"]), 4)
                                for label in runs["current"][0]["match_p50_ms"]}
-    for stat in ("p50_ms", "p99_ms"):
-        for label in runs["current"][0][stat]:
+    for stat in ("p50_ms", "p99_ms", "lifecycle_p50_ms"):  # (the last: a bench older than it has none)
+        out.setdefault(stat, {})
+        for label in runs["current"][0].get(stat, ()):
             cur = statistics.median(r[stat][label] for r in runs["current"])
-            base = [r[stat][label] for r in runs["baseline"] if label in r[stat]]
+            base = [r[stat][label] for r in runs["baseline"] if label in r.get(stat, ())]
             entry = {"current": round(cur, 4)}
             if base:
                 entry["baseline"] = round(statistics.median(base), 4)
@@ -200,19 +216,23 @@ def main(args: argparse.Namespace) -> int:
             print(json.dumps(res, indent=2, sort_keys=True))
             return 0
         print(f"baseline {res['baseline']}, {res['rounds']} interleaved rounds, medians")
-        print(f"{'prompt@workers':<26}{'p99 ms':>10}{'baseline':>10}{'ratio':>8}")
+        print(f"{'prompt@workers':<26}{'p99 ms':>10}{'baseline':>10}{'ratio':>8}{'lifecycle':>11}{'baseline':>10}"
+              f"{'ratio':>8}")
+        nan = {"current": float("nan")}
         for label, e in res["p99_ms"].items():
+            life = res["lifecycle_p50_ms"].get(label, nan)
             print(f"{label:<26}{e['current']:>10.3f}{e.get('baseline', float('nan')):>10.3f}"
-                  f"{e.get('ratio', float('nan')):>8.3f}")
+                  f"{e.get('ratio', float('nan')):>8.3f}{life['current']:>11.3f}"
+                  f"{life.get('baseline', float('nan')):>10.3f}{life.get('ratio', float('nan')):>8.3f}")
         return 0
     res = run(quick=args.quick, policies=policies)
     if args.json:
         print(json.dumps(res, indent=2, sort_keys=True))
         return 0
     print(f"index layout {res['index_layout']}")
-    print(f"{'prompt@workers':<20}{'p50 ms':>10}{'p99 ms':>10}{'match p50':>11}")
+    print(f"{'prompt@workers':<20}{'p50 ms':>10}{'p99 ms':>10}{'lifecycle':>11}{'match p50':>11}")
     for label in res["p50_ms"]:
         match = res["match_p50_ms"].get(label)
         print(f"{label:<20}{res['p50_ms'][label]:>10.3f}{res['p99_ms'][label]:>10.3f}"
-              + (f"{match:>11.3f}" if match is not None else ""))
+              f"{res['lifecycle_p50_ms'][label]:>11.3f}" + (f"{match:>11.3f}" if match is not None else ""))
     return 0

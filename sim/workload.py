@@ -14,6 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
+try:  # the synthesis in one pass in C (sim/_fastworkload.c), built where a compiler was; numpy's below the reference
+    from sim._fastworkload import hash_id_tokens as _compiled_hash_id_tokens
+except ImportError:  # pragma: no cover - a build without the extension
+    _compiled_hash_id_tokens = None
+
 TRACE_BLOCK = 512
 VOCAB = 32000
 _M2 = np.uint64(0xBF58476D1CE4E5B9)
@@ -66,6 +71,14 @@ def tokens_for_blocks(block_ids: list[int], n: int = TRACE_BLOCK, salt: int = 0)
 def tokens_for_hash_ids(hash_ids: list[int], length: int) -> np.ndarray:
     """A trace row's prompt: each hash id's 512 tokens, cut to ``length`` (padded deterministically past its
     blocks)."""
+    if _compiled_hash_id_tokens is not None:
+        ids = np.array(hash_ids, dtype=np.int64)
+        return np.frombuffer(_compiled_hash_id_tokens(ids, length), dtype=np.uint32)
+    return py_tokens_for_hash_ids(hash_ids, length)
+
+
+def py_tokens_for_hash_ids(hash_ids: list[int], length: int) -> np.ndarray:
+    """``tokens_for_hash_ids`` in numpy passes: the reference of the compiled synthesis."""
     if not hash_ids:
         return tokens_for_block(-1, length)
     toks = tokens_for_blocks(hash_ids).ravel()

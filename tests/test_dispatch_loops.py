@@ -109,3 +109,25 @@ def test_release_claims_refuses_mismatched_lengths_and_leaves_other_claims_alone
     assert owner == {2: second}
     _fastdicts.release_claims(owner, [2], was_b, second)
     assert owner == {2: first}  # back to what b's claim found there
+
+
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(0, 40))
+@settings(max_examples=300, deadline=None)
+def test_the_compiled_searches_of_keys_in_flight_step_as_the_python_ones(counts, length):
+    """``held_prefix`` and ``shared_len`` on counts that need not be prefix-closed (a search that took other
+    steps would answer otherwise there): the compiled answers are the Python searches'."""
+    keys = [50_000 + i for i in range(length)]
+    active = {k: c for k, c in zip(keys, counts, strict=False) if c}
+    assert _fastdicts.held_prefix(active, keys) == accounting.py_held_prefix(active, keys)
+    full = {k: active.get(k, 1) for k in keys}  # shared_len's keys are a request's in flight: all counted
+    assert _fastdicts.shared_len(keys, full) == accounting.py_shared_len(keys, full)
+    # prefix-closed counts (as chained keys make them): the answers are the prefix lengths
+    closed = {k: 2 for k in keys[: length // 2]} | {k: 1 for k in keys[length // 2:]}
+    assert _fastdicts.held_prefix(closed, keys) == length
+    assert _fastdicts.shared_len(keys, closed) == length // 2
+
+
+def test_a_key_in_flight_missing_from_the_counts_is_a_key_error():
+    with pytest.raises(KeyError):
+        _fastdicts.shared_len([1, 2, 3], {1: 2, 3: 1})
+    assert _fastdicts.held_prefix({}, []) == 0

@@ -11,6 +11,7 @@ import pytest
 
 from router.keys import chain_keys
 from router.scheduling import RouteRequest, RoutingConfig
+from sim import workload
 from sim.runner import EventFaults, SimConfig, Simulation, summarise
 from sim.workload import (
     SimRequest,
@@ -98,6 +99,22 @@ def test_a_prompts_tokens_made_in_one_pass_are_each_blocks_own():
     # a row longer than its blocks: the blocks, then the last id's salted padding
     toks = tokens_for_hash_ids([5, 6], 1100)
     assert toks.tolist() == _splitmix_tokens(5, 512) + _splitmix_tokens(6, 512) + _splitmix_tokens(6, 76, salt=7)
+
+
+@pytest.mark.skipif(workload._compiled_hash_id_tokens is None, reason="the compiled synthesis did not build here")
+@pytest.mark.parametrize(("ids", "length"), [([5, 6], 1100), ([5, 6], 700), ([5, 6], 1024), ([], 40), ([], 0),
+                                             ([-1, 2**40, 0], 1536), ([2**63 - 1, -(2**63)], 1030), ([9], 1)])
+def test_the_compiled_prompt_synthesis_is_the_numpy_one(ids, length):
+    """A trace row's tokens in C, token for token the numpy passes' (and the one-at-a-time Python integers'):
+    cut inside a block, padded past the blocks, no blocks at all, ids at the ends of int64."""
+    compiled = workload.tokens_for_hash_ids(ids, length)
+    reference = workload.py_tokens_for_hash_ids(ids, length)
+    assert compiled.dtype == reference.dtype == np.uint32
+    assert compiled.tolist() == reference.tolist()
+    spelled = [t for i in ids for t in _splitmix_tokens(i, 512)] if ids else _splitmix_tokens(-1, length)
+    if len(spelled) < length:
+        spelled += _splitmix_tokens(ids[-1], length - len(spelled), salt=7)
+    assert compiled.tolist() == spelled[:length]
 
 
 def test_a_run_leaves_the_garbage_collector_as_it_found_it():

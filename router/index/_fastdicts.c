@@ -13,8 +13,10 @@
  *
  * Also the per-key loops of a request's dispatch and end, for the same reason: the load accounting's counts of
  * the prompt blocks in flight (``count_keys``) and the speculative prefixes' claims on them (``claim_keys``,
- * ``release_claims``): about a thousand dict operations for an 8K-token prompt, on the request's path. Their
- * Python loops stay the reference (tests/test_dispatch_loops.py holds the two to the same dicts, in order).
+ * ``release_claims``): about a thousand dict operations for an 8K-token prompt, on the request's path; and the
+ * accounting's binary searches of a prompt's keys in flight (``held_prefix``, ``shared_len``), which a decision
+ * runs for every worker holding the prompt's first key. Their Python loops stay the reference
+ * (tests/test_dispatch_loops.py holds the two to the same dicts, in order, and the same answers).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -690,6 +692,72 @@ fail:
     return NULL;
 }
 
+/* held_prefix(active, keys) -> int
+ * ``WorkerLoad.shared_prefix_blocks``: how many leading ``keys`` are in ``active`` (a binary search, as keys are
+ * prefix-closed), the Python search step for step: a decision asks it of every worker that holds the prompt's
+ * first key. */
+static PyObject *held_prefix(PyObject *self, PyObject *args) {
+    PyObject *active, *keys_in;
+    if (!PyArg_ParseTuple(args, "O!O", &PyDict_Type, &active, &keys_in))
+        return NULL;
+    PyObject *keys = PySequence_Fast(keys_in, "keys must be a sequence");
+    if (!keys)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), lo = 0;
+    int in = n ? PyDict_Contains(active, PySequence_Fast_GET_ITEM(keys, 0)) : 0;
+    if (in > 0) {
+        Py_ssize_t hi = n;
+        lo = 1;
+        while (lo < hi) {
+            Py_ssize_t mid = (lo + hi + 1) / 2;
+            in = PyDict_Contains(active, PySequence_Fast_GET_ITEM(keys, mid - 1));
+            if (in < 0)
+                break;
+            if (in)
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+    }
+    Py_DECREF(keys);
+    return in < 0 ? NULL : PyLong_FromSsize_t(lo);
+}
+
+/* shared_len(keys, active) -> int
+ * ``accounting._shared_len``: how many leading ``keys`` (a request's in flight, each counted in ``active``)
+ * another request in flight holds too, the Python search step for step. */
+static PyObject *shared_len(PyObject *self, PyObject *args) {
+    PyObject *keys_in, *active;
+    if (!PyArg_ParseTuple(args, "OO!", &keys_in, &PyDict_Type, &active))
+        return NULL;
+    PyObject *keys = PySequence_Fast(keys_in, "keys must be a sequence");
+    if (!keys)
+        return NULL;
+    Py_ssize_t lo = 0, hi = PySequence_Fast_GET_SIZE(keys);
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        PyObject *k = PySequence_Fast_GET_ITEM(keys, mid);
+        PyObject *count = PyDict_GetItemWithError(active, k); /* borrowed */
+        if (!count) {
+            if (!PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, k);
+            goto fail;
+        }
+        long long c = PyLong_AsLongLong(count);
+        if (c == -1 && PyErr_Occurred())
+            goto fail;
+        if (c > 1)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    Py_DECREF(keys);
+    return PyLong_FromSsize_t(lo);
+fail:
+    Py_DECREF(keys);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"keys_of", keys_of, METH_VARARGS, "KvIndex.keys_of: key_of of each hash, those held nowhere left out."},
     {"store_new", store_new, METH_VARARGS, "KvIndex.store's loop for blocks new to the worker."},
@@ -700,6 +768,8 @@ static PyMethodDef methods[] = {
     {"count_keys", count_keys, METH_VARARGS, "counts[k] += delta (1 or -1) for each key; a count at 0 deleted."},
     {"claim_keys", claim_keys, METH_VARARGS, "SpeculativePrefixes.record: the previous entries, then owner[k] = entry."},
     {"release_claims", release_claims, METH_VARARGS, "claim_keys taken back where entry still owns a key."},
+    {"held_prefix", held_prefix, METH_VARARGS, "WorkerLoad.shared_prefix_blocks: leading keys in active."},
+    {"shared_len", shared_len, METH_VARARGS, "accounting._shared_len: leading keys counted more than once."},
     {NULL, NULL, 0, NULL},
 };
 

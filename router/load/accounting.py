@@ -17,8 +17,10 @@ from itertools import islice
 
 try:  # the per-key loops in C (router/index/_fastdicts.c), built where a compiler was; the loops below the reference
     from router.index._fastdicts import count_keys as _compiled_count_keys
+    from router.index._fastdicts import held_prefix as _compiled_held_prefix
+    from router.index._fastdicts import shared_len as _compiled_shared_len
 except ImportError:  # pragma: no cover - a build without the extension
-    _compiled_count_keys = None
+    _compiled_count_keys = _compiled_held_prefix = _compiled_shared_len = None
 
 
 def tail_blocks(prompt_tokens: int, full_blocks: int, max_tokens: int, block_size: int) -> int:
@@ -60,17 +62,22 @@ class WorkerLoad:
 
     def shared_prefix_blocks(self, keys: Sequence[int]) -> int:
         """How many leading ``keys`` a request in flight already holds (binary search: keys are prefix-closed)."""
-        active = self.active_keys
-        if not keys or keys[0] not in active:
-            return 0
-        lo, hi = 1, len(keys)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if keys[mid - 1] in active:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return held_prefix(self.active_keys, keys)
+
+
+def py_held_prefix(active: dict[int, int], keys: Sequence[int]) -> int:
+    """How many leading ``keys`` are in ``active``, by a binary search (keys are prefix-closed): the reference
+    of the compiled ``held_prefix``."""
+    if not keys or keys[0] not in active:
+        return 0
+    lo, hi = 1, len(keys)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if keys[mid - 1] in active:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def py_count_keys(counts: dict[int, int], keys: Sequence[int], delta: int) -> None:
@@ -91,11 +98,13 @@ def py_count_keys(counts: dict[int, int], keys: Sequence[int], delta: int) -> No
 
 
 count_keys = _compiled_count_keys or py_count_keys
+held_prefix = _compiled_held_prefix or py_held_prefix
 
 
-def _shared_len(keys: Sequence[int], active: dict[int, int]) -> int:
+def py_shared_len(keys: Sequence[int], active: dict[int, int]) -> int:
     """How many leading ``keys`` (a request's, in flight) another request in flight holds too: a binary search,
-    since a request holding a key holds every key before it (keys are chained)."""
+    since a request holding a key holds every key before it (keys are chained). The reference of the compiled
+    ``shared_len``."""
     lo, hi = 0, len(keys)
     while lo < hi:
         mid = (lo + hi) // 2
@@ -104,6 +113,9 @@ def _shared_len(keys: Sequence[int], active: dict[int, int]) -> int:
         else:
             hi = mid
     return lo
+
+
+shared_len = _compiled_shared_len or py_shared_len
 
 
 @dataclass
@@ -210,7 +222,7 @@ class LoadTracker:
 
         A request taken as finished frees its tail and the keys no request left in flight holds. The keys it
         shares with another request in flight are a prefix of its keys (counts along a key chain never rise:
-        ``_shared_len``); only those are counted in ``gone``, since a key it alone holds goes with it in any
+        ``shared_len``); only those are counted in ``gone``, since a key it alone holds goes with it in any
         order. A busy engine's requests share a system prompt and little else, so this is a few dict
         operations a request rather than one a prompt block."""
         order = []
@@ -225,7 +237,7 @@ class LoadTracker:
         for end, rid in order:
             r = self.inflight[rid]
             keys = r.keys
-            shared = _shared_len(keys, active)
+            shared = shared_len(keys, active)
             for k in islice(keys, shared):
                 gone[k] = gone.get(k, 0) + 1
             lo, hi = 0, shared  # first key no request left in flight holds (from ``shared`` on: none does)
