@@ -189,14 +189,13 @@ def compare(baseline: str, quick: bool, rounds: int, policies: tuple[str, ...]) 
         finally:
             subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], check=False,
                            capture_output=True)
-    out: dict = {"baseline": baseline, "rounds": rounds, "p99_ms": {}, "p50_ms": {},
+    out: dict = {"baseline": baseline, "rounds": rounds,
                  "baseline_bench": "this tree's" if bench_dir is not None else "its own",
                  "index_layout": runs["current"][0].get("index_layout")}
-    if "match_p50_ms" in runs["current"][0]:  # this tree's bench only: the baseline's may not time it
-        out["match_p50_ms"] = {label: round(statistics.median(r["match_p50_ms"][label] for r in runs["current"]), 4)
-                               for label in runs["current"][0]["match_p50_ms"]}
-    for stat in ("p50_ms", "p99_ms", "lifecycle_p50_ms"):  # (the last: a bench older than it has none)
-        out.setdefault(stat, {})
+    # the baseline is timed by this tree's bench (unless its router is too old for it): each stat has its own
+    # baseline; a bench older than a stat (its own bench timing it) leaves that stat's baseline out
+    for stat in ("p50_ms", "p99_ms", "match_p50_ms", "lifecycle_p50_ms"):
+        out[stat] = {}
         for label in runs["current"][0].get(stat, ()):
             cur = statistics.median(r[stat][label] for r in runs["current"])
             base = [r[stat][label] for r in runs["baseline"] if label in r.get(stat, ())]

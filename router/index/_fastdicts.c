@@ -724,7 +724,7 @@ static PyObject *held_prefix(PyObject *self, PyObject *args) {
 }
 
 /* shared_len(keys, active) -> int
- * ``accounting._shared_len``: how many leading ``keys`` (a request's in flight, each counted in ``active``)
+ * ``accounting.py_shared_len``: how many leading ``keys`` (a request's in flight, each counted in ``active``)
  * another request in flight holds too, the Python search step for step. */
 static PyObject *shared_len(PyObject *self, PyObject *args) {
     PyObject *keys_in, *active;
@@ -769,7 +769,7 @@ static PyMethodDef methods[] = {
     {"claim_keys", claim_keys, METH_VARARGS, "SpeculativePrefixes.record: the previous entries, then owner[k] = entry."},
     {"release_claims", release_claims, METH_VARARGS, "claim_keys taken back where entry still owns a key."},
     {"held_prefix", held_prefix, METH_VARARGS, "WorkerLoad.shared_prefix_blocks: leading keys in active."},
-    {"shared_len", shared_len, METH_VARARGS, "accounting._shared_len: leading keys counted more than once."},
+    {"shared_len", shared_len, METH_VARARGS, "accounting.py_shared_len: leading keys counted more than once."},
     {NULL, NULL, 0, NULL},
 };
 
