@@ -168,6 +168,71 @@ async def test_a_worker_dying_mid_body_cuts_a_non_streamed_answer():
             proc.kill()
 
 
+class HalfAnsweringWorker:
+    """A real HTTP server that answers every POST with a 200's headers and a fragment of its promised body, then
+    closes: an engine killed between its answer's headers and its body. GETs (the probes) answer 200 ``{}``, so
+    the worker stays a candidate and the failure is seen only by requests."""
+
+    def __init__(self) -> None:
+        self.posts = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if head.startswith(b"POST"):
+                    self.posts += 1
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                 b"content-length: 400\r\n\r\n{\"id\": \"cmpl-")
+                    await writer.drain()
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["lone", "batch"])
+async def test_a_worker_dying_between_headers_and_body_costs_a_retry_not_a_502(batch):
+    """A non-streamed answer reaches the client only whole, so a worker failing after its headers has sent the
+    client nothing: the request goes to the next-ranked worker (what vLLM killed mid-answer did, once in a CI)."""
+    bad, good = HalfAnsweringWorker(), await start_worker()
+    bad_url = await bad.start()
+    try:
+        async with proxy([f"{bad_url},id=w0", spec_of(good, "w1")], **{"routing.policy": "round_robin"}) as (
+                server, url, _a), aiohttp.ClientSession() as s:
+            prompts = [SYSTEM + f"n{i}" for i in range(2)]  # round robin ranks w0 first for one of the two
+            bodies = [{"prompt": prompts, "max_tokens": 3}] if batch else [{"prompt": p, "max_tokens": 3}
+                                                                             for p in prompts]
+            for body in bodies:
+                st, answer, h = await post(s, url + "/v1/completions", body)
+                assert st == 200, answer
+                assert set(h["x-kvrouter-worker"].split(",")) == {"w1"}
+                assert len(answer["choices"]) == (len(prompts) if batch else 1)
+            assert bad.posts >= 1
+            assert server.metrics.retries._value.get() == bad.posts
+            assert server.metrics.truncated._value.get() == 0
+            assert not server.core.load.inflight
+    finally:
+        await bad.stop()
+        await good.stop()
+
+
 MALFORMED = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "text"),
     ("/v1/completions", {"prompt": [1, 2, 2**32]}, "token id"),

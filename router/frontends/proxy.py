@@ -349,21 +349,28 @@ class ProxyServer:
     async def _forward(self, request: Request, rreq: RouteRequest, parsed: ParsedRequest, decision: Decision,
                        body: bytes, headers: list[tuple[str, str]], started: float) -> Response | None:
         """Send to the best worker (``_connect``) and relay its answer."""
-        handle, upstream, last_error = await self._connect(request.path, rreq, decision, body, headers)
+        handle, upstream, whole, last_error = await self._connect(
+            request.path, rreq, decision, body, headers, read_whole=not parsed.stream)
         if upstream is None:
             if handle is not None:
                 handle.fail(time.monotonic())
             self.metrics.count_request("502")
             return error(502, f"no worker could serve the request: {last_error}", "BadGatewayError")
         assert handle is not None
+        if whole is not None:
+            return self._send_whole(handle, upstream, whole, started)
         return await self._relay(request, handle, parsed, upstream, started)
 
     async def _connect(self, path: str, rreq: RouteRequest, decision: Decision, body: bytes,
-                       headers: list[tuple[str, str]], handle: Dispatch | None = None
-                       ) -> tuple[Dispatch | None, UpstreamResponse | None, str]:
+                       headers: list[tuple[str, str]], handle: Dispatch | None = None, read_whole: bool = False
+                       ) -> tuple[Dispatch | None, UpstreamResponse | None, bytes | None, str]:
         """The best worker's response, its headers read; on a connection error or a 5xx before any byte, the
         next-best (the dispatch moves with it, and what the abandoned choice recorded is taken back). No
-        response (None) and the last error when no worker answered; the handle is the caller's to end."""
+        response (None) and the last error when no worker answered; the handle is the caller's to end.
+
+        With ``read_whole`` (a non-streamed answer), a body of known length up to WHOLE_BODY_BYTES is read here
+        too and returned: a worker dying before its end has sent the client nothing, so the next-best gets the
+        request, as after a connection error (an engine killed mid-answer costs a retry, not a 502)."""
         last_error = "no worker answered"
         attempts = decision.ranked[: self.config.max_attempts]
         for attempt, wid in enumerate(attempts):
@@ -388,8 +395,21 @@ class ProxyServer:
                 upstream.release()
                 self._failed(wid, attempt, len(attempts))
                 continue
-            return handle, upstream, last_error
-        return handle, None, last_error
+            if not read_whole or upstream.content_length is None or upstream.content_length > WHOLE_BODY_BYTES:
+                return handle, upstream, None, last_error
+            try:
+                return handle, upstream, await upstream.read(), last_error
+            except (UpstreamError, TimeoutError) as e:
+                log.warning("worker %s failed mid-response for %s: %r", wid, rreq.request_id, e)
+                last_error = f"worker {wid} failed mid-response: {e!r}"
+                upstream.close()
+                self._failed(wid, attempt, len(attempts))
+                continue
+            except asyncio.CancelledError:
+                upstream.close()
+                handle.complete(time.monotonic())
+                raise
+        return handle, None, None, last_error
 
     # ---- a completions batch, one routed request per prompt ------------------------------------------
     async def _generate_batch(self, request: Request, parsed: ParsedRequest, salt: SaltRule,
@@ -446,29 +466,31 @@ class ProxyServer:
     async def _answer(self, path: str, sub: ParsedRequest, rreq: RouteRequest, decision: Decision,
                       handle: Dispatch, headers: list[tuple[str, str]]) -> _Answer:
         """One prompt of a batch: forwarded with the retries of a lone request, its answer read whole."""
-        _, upstream, last_error = await self._connect(path, rreq, decision, sub.raw, headers, handle)
+        _, upstream, whole, last_error = await self._connect(path, rreq, decision, sub.raw, headers, handle,
+                                                             read_whole=True)
         if upstream is None:
             handle.fail(time.monotonic())
             return _Answer(502, handle.worker_id, message=f"no worker could serve the request: {last_error}")
         wid = handle.worker_id
-        data = bytearray()
-        try:
-            async for chunk in upstream.chunks():
-                data += chunk
-                if len(data) > MAX_MERGED_BYTES:
-                    upstream.close()
-                    handle.complete(time.monotonic())
-                    return _Answer(502, wid, message=f"worker {wid} answered over {MAX_MERGED_BYTES} bytes")
-        except asyncio.CancelledError:
-            upstream.close()
-            handle.complete(time.monotonic())
-            raise
-        except (UpstreamError, TimeoutError) as e:  # the worker died mid-answer
-            log.warning("worker %s failed mid-response for %s: %r", wid, rreq.request_id, e)
-            upstream.close()
-            self.fleet.mark_failure(wid)
-            handle.complete(time.monotonic())
-            return _Answer(502, wid, message=f"worker {wid} failed: {e!r}")
+        data = bytearray() if whole is None else whole
+        if whole is None:  # a chunked or long answer, which _connect leaves unread: read here, bounded
+            try:
+                async for chunk in upstream.chunks():
+                    data += chunk
+                    if len(data) > MAX_MERGED_BYTES:
+                        upstream.close()
+                        handle.complete(time.monotonic())
+                        return _Answer(502, wid, message=f"worker {wid} answered over {MAX_MERGED_BYTES} bytes")
+            except asyncio.CancelledError:
+                upstream.close()
+                handle.complete(time.monotonic())
+                raise
+            except (UpstreamError, TimeoutError) as e:  # the worker died mid-answer
+                log.warning("worker %s failed mid-response for %s: %r", wid, rreq.request_id, e)
+                upstream.close()
+                self.fleet.mark_failure(wid)
+                handle.complete(time.monotonic())
+                return _Answer(502, wid, message=f"worker {wid} failed: {e!r}")
         now = time.monotonic()
         handle.first_token(now, learn=False)
         handle.complete(now, served=upstream.status < 400)
@@ -515,8 +537,6 @@ class ProxyServer:
 
     async def _relay(self, request: Request, handle: Dispatch, parsed: ParsedRequest,
                      upstream: UpstreamResponse, started: float) -> Response | None:
-        if not parsed.stream and upstream.content_length is not None and upstream.content_length <= WHOLE_BODY_BYTES:
-            return await self._relay_whole(handle, upstream, started)
         wid, rid = handle.worker_id, handle.request.request_id
         resp: http1.StreamWriter | None = None
         tail = b""
@@ -558,27 +578,12 @@ class ProxyServer:
         self._answered(handle, upstream, tail, streamed, started)
         return None
 
-    async def _relay_whole(self, handle: Dispatch, upstream: UpstreamResponse, started: float) -> Response:
-        """A non-streamed answer of known, bounded length, read whole and sent as one response: headers and
-        body leave in one write, without chunked framing (relayed, they take three: headers, chunk, last chunk). A
-        worker failing before its end is a clean 502, since the client has had nothing yet."""
-        wid = handle.worker_id
-        try:
-            body = await upstream.read()
-        except asyncio.CancelledError:
-            upstream.close()
-            handle.complete(time.monotonic())
-            self.metrics.count_request("499")
-            raise
-        except (UpstreamError, TimeoutError) as e:
-            log.warning("worker %s failed mid-response for %s: %r", wid, handle.request.request_id, e)
-            upstream.close()
-            self.fleet.mark_failure(wid)
-            handle.complete(time.monotonic())
-            self.metrics.count_request("502")
-            return error(502, f"worker {wid} failed: {e!r}", "BadGatewayError", {"x-kvrouter-worker": wid})
+    def _send_whole(self, handle: Dispatch, upstream: UpstreamResponse, body: bytes, started: float) -> Response:
+        """A non-streamed answer of known, bounded length, read whole by ``_connect``, sent as one response:
+        headers and body leave in one write, without chunked framing (relayed, they take three: headers, chunk,
+        last chunk)."""
         self._answered(handle, upstream, body, False, started)
-        return Response(upstream.status, body, self._answer_headers(upstream, wid))
+        return Response(upstream.status, body, self._answer_headers(upstream, handle.worker_id))
 
     def _answered(self, handle: Dispatch, upstream: UpstreamResponse, tail: bytes, streamed: bool,
                   started: float) -> None:
