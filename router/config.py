@@ -38,6 +38,16 @@ class Listen:
 
 
 @dataclass
+class HttpServerSettings:
+    """The proxy's client connections (router/frontends/http1.py); the timeouts are nginx's defaults."""
+
+    header_read_timeout_s: float = 60.0  # request line and headers, from the request's first byte (408 after)
+    body_read_timeout_s: float = 60.0  # between two reads of a request's body (408 after)
+    keepalive_timeout_s: float = 75.0  # an idle kept-alive connection is closed after this
+    max_connections: int = 10000  # client connections open at once; past it a new one is answered 503 and closed
+
+
+@dataclass
 class Admin:
     host: str = "127.0.0.1"  # admin and debug endpoints are not open to the world by default
     port: int = 8001
@@ -57,6 +67,11 @@ class EppSettings:
     # the ext_proc port's gRPC server: "kvrouter", HTTP/2 on asyncio protocols (router/frontends/h2grpc.py, a
     # third of grpc.aio's CPU per pick); "grpcio", grpc.aio (gRPC's own C core), should a gateway's client need it
     grpc_server: str = "kvrouter"
+    # the ext_proc port's HTTP/2 connections (the kvrouter server; grpcio has its own): grpc-go's handshake
+    # timeout, Envoy's downstream idle timeout
+    handshake_timeout_s: float = 120.0  # the client's preface and first SETTINGS must arrive within this
+    idle_timeout_s: float = 3600.0  # a connection with no open stream for this long gets GOAWAY and is closed
+    max_connections: int = 10000  # connections open at once; past it a new one is closed at once
 
 
 @dataclass
@@ -73,6 +88,7 @@ class KubernetesSettings:
 class RouterConfig:
     listen: Listen = field(default_factory=Listen)
     admin: Admin = field(default_factory=Admin)
+    http: HttpServerSettings = field(default_factory=HttpServerSettings)
     epp: EppSettings = field(default_factory=EppSettings)
     kubernetes: KubernetesSettings = field(default_factory=KubernetesSettings)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
