@@ -24,6 +24,7 @@ from router.discovery import WorkerSpec, parse_worker_arg
 from router.discovery.static import _spec
 from router.scheduling import CostParams, RoutingConfig, SchedulingConfig
 from router.scheduling.profiles import ProfileError, build_profile, parse_scheduling
+from router.scheduling.slo import ObjectiveError, SloConfig, parse_slo_config
 from router.tokenizer import DEFAULT_TOKENIZER_DIR
 
 
@@ -93,6 +94,7 @@ class RouterConfig:
     kubernetes: KubernetesSettings = field(default_factory=KubernetesSettings)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)  # plugins and profiles (versioned)
+    slo: SloConfig = field(default_factory=SloConfig)  # named objectives, per model and tenant (docs/slo.md)
     workers: list[WorkerSpec] = field(default_factory=list)
     workers_file: str | None = None
     events_bind: str | None = None  # bind one SUB socket that engines connect to (topic names the worker)
@@ -123,6 +125,13 @@ def _check(value: Any, tp: Any, where: str) -> Any:
         try:
             return parse_scheduling(value, where)
         except ProfileError as e:
+            raise ConfigError(str(e)) from None
+    if tp is SloConfig:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping")
+        try:
+            return parse_slo_config(value)
+        except ObjectiveError as e:
             raise ConfigError(str(e)) from None
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -202,8 +211,8 @@ def _key_type(var: str, path: list[str]) -> Any:
     for depth, key in enumerate(path):
         tp = _unwrap(tp)
         where = ".".join(path[:depth]) or "the top level"
-        if tp is SchedulingConfig or tp is Any:
-            return Any  # checked as a whole by parse_scheduling
+        if tp is SchedulingConfig or tp is SloConfig or tp is Any:
+            return Any  # checked as a whole by parse_scheduling / parse_slo_config
         if typing.get_origin(tp) is dict:
             tp = typing.get_args(tp)[1]
             continue

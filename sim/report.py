@@ -58,7 +58,7 @@ def table(summaries: dict[str, dict[str, Any]], bound: float | None) -> str:
 def stable_json(summaries: dict[str, dict[str, Any]], bound: float, extra: dict[str, Any]) -> dict[str, Any]:
     keys = ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_rate", "throughput_tok_s", "shed",
             "rejected", "failed", "e2e_mean_s", "e2e_p99_s", "tpot_mean_s", "load_imbalance", "completed",
-            "requests", "wall_s")
+            "requests", "wall_s", "slo_attainment", "goodput_rps", "slo_by_priority", "slo_by_tenant")
     return {"policies": {n: {k: s[k] for k in keys} for n, s in summaries.items()}, "bound_hit_rate": bound, **extra}
 
 
@@ -121,6 +121,8 @@ SUITE_COLUMNS = [
     ("rejected", "rejected", "{:d}"),
     ("failed", "failed", "{:d}"),
     ("shed", "shed", "{:d}"),
+    ("slo_attainment", "SLO met", "{:.1%}"),
+    ("goodput_rps", "goodput/s", "{:.2f}"),
 ]
 
 

@@ -15,6 +15,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from router.events.codec import EventBatch
 from router.heap import rare_collections
 from router.keys import chain_keys
 from router.scheduling import Decision, Endpoint, RouteRequest, RoutingConfig, RoutingCore
+from router.scheduling.slo import NO_OBJECTIVE, ServiceObjective
 from sim.oracle import sim_routing
 from sim.workload import SimRequest
 from workers.engine import EngineConfig, EngineModel, EngineRequest, StepResult
@@ -76,10 +78,24 @@ class RequestRecord:
     # routed | shed | no_endpoint | rejected (the engine refused it: an HTTP 400) | failed (its worker restarted)
     outcome: str = "routed"
     error: str | None = None  # why the engine rejected it, or why it failed
+    objective: ServiceObjective = NO_OBJECTIVE
+    tenant: str | None = None
 
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first; None without a second token."""
+        if self.finished_at is None or self.first_token_at is None or self.output_tokens < 2:
+            return None
+        return (self.finished_at - self.first_token_at) / (self.output_tokens - 1)
+
+    @property
+    def met_objective(self) -> bool:
+        """Served to its end within its TTFT and TPOT targets (a shed, refused or failed request met nothing)."""
+        return self.outcome == "routed" and self.finished_at is not None and self.objective.met(self.ttft, self.tpot)
 
 
 @dataclass
@@ -229,7 +245,7 @@ class Simulation:
         """Route one arrival; ``False`` when it ends here (shed, no endpoint, or rejected by the engine)."""
         tokens = r.tokens
         rr, decision = self.decide(r, now, tokens)
-        rec = RequestRecord(r.request_id, now, decision.chosen, len(tokens))
+        rec = RequestRecord(r.request_id, now, decision.chosen, len(tokens), objective=r.objective, tenant=r.tenant)
         self.records[r.request_id] = rec
         if decision.outcome != "routed":
             rec.outcome, rec.worker = decision.outcome, None
@@ -397,7 +413,7 @@ def pooled(results: Sequence[SimResult]) -> SimResult:
                      sum(r.decisions for r in results), sum(r.wall_s for r in results))
 
 
-def summarise(result: SimResult) -> dict[str, float]:
+def summarise(result: SimResult) -> dict[str, Any]:
     recs = result.records
     routed = [r for r in recs if r.outcome == "routed" and r.first_token_at is not None]
     ttft = np.array([r.ttft for r in routed]) if routed else np.array([0.0])
@@ -407,8 +423,8 @@ def summarise(result: SimResult) -> dict[str, float]:
     out_tokens = sum(r.output_tokens for r in routed)
     loads = np.array(list(result.per_worker_prompt_tokens.values()), dtype=float)
     # time per output token after the first: (finished - first token) / (output tokens - 1)
-    tpot = [(r.finished_at - r.first_token_at) / (r.output_tokens - 1) for r in routed
-            if r.finished_at is not None and r.output_tokens > 1]
+    tpot = [t for t in (r.tpot for r in routed) if t is not None]
+    attainment = slo_attainment(recs, result.makespan_s)
     return {
         "ttft_mean_s": float(ttft.mean()),
         "ttft_p50_s": float(np.percentile(ttft, 50)),
@@ -426,4 +442,28 @@ def summarise(result: SimResult) -> dict[str, float]:
         "completed": sum(1 for r in recs if r.finished_at is not None),
         "requests": len(recs),
         "wall_s": result.wall_s,
+        "slo_attainment": attainment["all"]["attainment"],
+        "goodput_rps": attainment["all"]["goodput_rps"],
+        "slo_by_priority": attainment["by_priority"],
+        "slo_by_tenant": attainment["by_tenant"],
     }
+
+
+def slo_attainment(records: Sequence[RequestRecord], makespan_s: float) -> dict[str, Any]:
+    """DistServe's and Mooncake's figures: the fraction of requests that met their objective (every request
+    counted, a shed one as missed) and goodput, those requests per second of the run; over all requests, per
+    priority and per tenant (``"-"``: requests without one). A request without targets meets its objective
+    whenever it is served to its end."""
+    def figures(recs: list[RequestRecord]) -> dict[str, float | int]:
+        met = sum(1 for r in recs if r.met_objective)
+        return {"requests": len(recs), "met": met, "attainment": met / len(recs) if recs else 1.0,
+                "goodput_rps": met / makespan_s if makespan_s else 0.0}
+
+    by_priority: dict[int, list[RequestRecord]] = {}
+    by_tenant: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        by_priority.setdefault(r.objective.priority, []).append(r)
+        by_tenant.setdefault(r.tenant if r.tenant is not None else "-", []).append(r)
+    return {"all": figures(list(records)),
+            "by_priority": {str(p): figures(by_priority[p]) for p in sorted(by_priority)},
+            "by_tenant": {t: figures(by_tenant[t]) for t in sorted(by_tenant)}}

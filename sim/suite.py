@@ -55,7 +55,7 @@ PRESSURE_GPU_BLOCKS_QUICK = 512
 WORKERS = 8
 SUMMARY_KEYS = ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "e2e_mean_s", "e2e_p99_s", "tpot_mean_s", "hit_rate",
                 "load_imbalance", "throughput_tok_s", "rejected", "failed", "shed", "no_endpoint", "completed",
-                "requests", "wall_s")
+                "requests", "wall_s", "slo_attainment", "goodput_rps", "slo_by_priority", "slo_by_tenant")
 
 
 @dataclass

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from router.scheduling.slo import NO_OBJECTIVE, ObjectiveError, ServiceObjective, parse_target_ms
+
 try:  # the synthesis in one pass in C (sim/_fastworkload.c), built where a compiler was; numpy's below the reference
     from sim._fastworkload import hash_id_tokens as _compiled_hash_id_tokens
 except ImportError:  # pragma: no cover - a build without the extension
@@ -32,6 +34,8 @@ class SimRequest:
     output_len: int
     session: str | None = None
     hash_ids: tuple[int, ...] = ()  # trace block ids, for the independent cache bound
+    objective: ServiceObjective = NO_OBJECTIVE  # its TTFT/TPOT targets and priority (router/scheduling/slo.py)
+    tenant: str | None = None  # whose request it is, for attainment per tenant
 
     @property
     def tokens(self) -> np.ndarray:
@@ -87,9 +91,22 @@ def py_tokens_for_hash_ids(hash_ids: list[int], length: int) -> np.ndarray:
     return toks[:length]
 
 
+def trace_objective(row: dict, where: str) -> ServiceObjective:
+    """A trace row's optional objective columns: ``slo_ttft_ms``, ``slo_tpot_ms`` (targets, milliseconds) and
+    ``priority`` (an integer, negative: sheddable). A row without them has no objective."""
+    ttft, tpot, priority = row.get("slo_ttft_ms"), row.get("slo_tpot_ms"), row.get("priority", 0)
+    if ttft is None and tpot is None and priority == 0:
+        return NO_OBJECTIVE
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ObjectiveError(f"{where}: priority: expected an integer, got {priority!r}")
+    return ServiceObjective(None if ttft is None else parse_target_ms(f"{where}: slo_ttft_ms", str(ttft)),
+                            None if tpot is None else parse_target_ms(f"{where}: slo_tpot_ms", str(tpot)), priority)
+
+
 def mooncake(path: str | Path, limit: int | None = None, speedup: float = 1.0, jitter_s: float = 0.0,
              seed: int = 0) -> list[SimRequest]:
-    """Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``.
+    """Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``; optionally
+    ``slo_ttft_ms``, ``slo_tpot_ms``, ``priority`` (``trace_objective``) and ``tenant`` (a string).
 
     ``speedup`` divides arrival times; ``jitter_s`` spreads the trace's ~3 s quantised timestamps uniformly.
     """
@@ -105,7 +122,9 @@ def mooncake(path: str | Path, limit: int | None = None, speedup: float = 1.0, j
                 t += float(rng.uniform(0, jitter_s))
             hashes = list(row["hash_ids"])
             n = int(row["input_length"])
-            out.append(SimRequest(f"r{i}", t / speedup, n, max(1, int(row["output_length"])), None, tuple(hashes)))
+            tenant = row.get("tenant")
+            out.append(SimRequest(f"r{i}", t / speedup, n, max(1, int(row["output_length"])), None, tuple(hashes),
+                                  trace_objective(row, f"{path}:{i + 1}"), None if tenant is None else str(tenant)))
     out.sort(key=lambda r: r.arrival)
     t0 = out[0].arrival if out else 0.0
     for r in out:
@@ -123,7 +142,8 @@ def repeat_trace(requests: list[SimRequest], times: int) -> list[SimRequest]:
         off = k * 100_000_000
         for r in requests:
             ids = tuple(h if h == 0 else h + off for h in r.hash_ids)
-            out.append(SimRequest(f"{r.request_id}x{k}", r.arrival, r.prompt, r.output_len, r.session, ids))
+            out.append(SimRequest(f"{r.request_id}x{k}", r.arrival, r.prompt, r.output_len, r.session, ids,
+                                  r.objective, r.tenant))
     out.sort(key=lambda r: r.arrival)
     return out
 

@@ -1,0 +1,155 @@
+"""Per-request service objectives: TTFT and TPOT targets and a priority, and whether a finished request met them.
+
+Where they come from, in the peers' vocabulary so their clients work unchanged:
+- llm-d's predicted-latency routing reads the targets from ``x-slo-ttft-ms`` and ``x-slo-tpot-ms``;
+- the Gateway API Inference Extension names an InferenceObjective in ``x-gateway-inference-objective``; the
+  objective (here: ``slo.objectives`` in config) carries the priority, negative meaning sheddable;
+- config gives defaults per model and per tenant (``slo.models``, ``slo.tenants``), so a platform team can state
+  an objective for traffic whose clients send nothing.
+
+A client may state its own latency targets but never its priority: priority decides who is shed first, so it
+comes only from the operator's config (an objective named by the header, or the model's or tenant's default).
+A request without any objective keeps the router's behaviour exactly: ``ServiceObjective()`` has no targets.
+
+Attainment follows DistServe and Mooncake: a request meets its objective when its TTFT and its TPOT (the mean
+time per output token after the first) are both within target; a missing target is met; a request that was shed,
+refused or failed meets nothing. Goodput is the rate of requests that met theirs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+TTFT_HEADER = "x-slo-ttft-ms"  # llm-d's
+TPOT_HEADER = "x-slo-tpot-ms"  # llm-d's
+OBJECTIVE_HEADER = "x-gateway-inference-objective"  # the Gateway API Inference Extension's
+MAX_TARGET_MS = 24 * 3600 * 1000.0  # a target longer than a day is a client's mistake, not an objective
+
+
+class ObjectiveError(ValueError):
+    """A request's objective headers cannot be read: the client gets a 400 naming the header."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceObjective:
+    """What one request needs. ``None`` targets: none stated. ``priority``: GIE's (higher first, < 0 sheddable)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    priority: int = 0
+    name: str | None = None  # the configured objective it came from, for metrics and /debug/decision
+
+    @property
+    def has_targets(self) -> bool:
+        return self.ttft_s is not None or self.tpot_s is not None
+
+    @property
+    def sheddable(self) -> bool:
+        return self.priority < 0
+
+    def met(self, ttft_s: float | None, tpot_s: float | None) -> bool:
+        """Whether a request served with ``ttft_s`` and ``tpot_s`` met this objective (None ``ttft_s``: it never
+        produced a token; None ``tpot_s``: one output token, so no TPOT to miss)."""
+        if ttft_s is None:
+            return False
+        if self.ttft_s is not None and ttft_s > self.ttft_s:
+            return False
+        return self.tpot_s is None or tpot_s is None or tpot_s <= self.tpot_s
+
+
+NO_OBJECTIVE = ServiceObjective()
+
+
+@dataclass(frozen=True)
+class SloConfig:
+    """``slo:`` in the router's config: named objectives, and which one a model's or a tenant's requests get
+    when they name none (the tenant's default wins over the model's: it is the more specific promise)."""
+
+    objectives: Mapping[str, ServiceObjective] = field(default_factory=dict)
+    models: Mapping[str, str] = field(default_factory=dict)  # model -> objective name
+    tenants: Mapping[str, str] = field(default_factory=dict)  # tenant -> objective name
+    default: str | None = None  # the objective of a request nothing else names
+
+    def __post_init__(self) -> None:
+        for where, table in (("slo.models", self.models), ("slo.tenants", self.tenants)):
+            for key, name in table.items():
+                if name not in self.objectives:
+                    raise ObjectiveError(f"{where}.{key}: no objective named {name!r} in slo.objectives")
+        if self.default is not None and self.default not in self.objectives:
+            raise ObjectiveError(f"slo.default: no objective named {self.default!r} in slo.objectives")
+
+
+def parse_target_ms(header: str, text: str) -> float:
+    """A target header's milliseconds as seconds; ObjectiveError for anything but a positive finite number."""
+    try:
+        ms = float(text.strip())
+    except ValueError:
+        raise ObjectiveError(f"{header}: expected milliseconds as a number, got {text[:40]!r}") from None
+    if not math.isfinite(ms) or ms <= 0 or ms > MAX_TARGET_MS:
+        raise ObjectiveError(f"{header}: expected a positive number of milliseconds up to {MAX_TARGET_MS:.0f}, "
+                             f"got {text[:40]!r}")
+    return ms / 1000.0
+
+
+def objective_for(headers: Mapping[str, str], config: SloConfig, model: str | None = None,
+                  tenant: str | None = None) -> ServiceObjective:
+    """The objective of one request: the named objective (header) or the tenant's, the model's, the default, in
+    that order; then the request's own target headers over that objective's targets. ``headers``' keys are
+    lower-case (or a case-insensitive mapping). An unknown objective name is an ObjectiveError (a 400): a typo
+    must not silently drop a request to the default priority."""
+    name = headers.get(OBJECTIVE_HEADER)
+    if name is not None:
+        name = name.strip()
+        if name not in config.objectives:
+            raise ObjectiveError(f"{OBJECTIVE_HEADER}: no objective named {name[:80]!r}")
+    elif tenant is not None and tenant in config.tenants:
+        name = config.tenants[tenant]
+    elif model is not None and model in config.models:
+        name = config.models[model]
+    else:
+        name = config.default
+    base = config.objectives[name] if name is not None else NO_OBJECTIVE
+    ttft, tpot = headers.get(TTFT_HEADER), headers.get(TPOT_HEADER)
+    if ttft is None and tpot is None:
+        return base
+    return ServiceObjective(parse_target_ms(TTFT_HEADER, ttft) if ttft is not None else base.ttft_s,
+                            parse_target_ms(TPOT_HEADER, tpot) if tpot is not None else base.tpot_s,
+                            base.priority, base.name)
+
+
+def parse_slo_config(raw: Mapping[str, object] | None) -> SloConfig:
+    """``slo:`` from YAML: ``objectives: {NAME: {priority: P, ttft_ms: T, tpot_ms: U}}``, ``models: {MODEL:
+    NAME}``, ``tenants: {TENANT: NAME}``, ``default: NAME``. ObjectiveError names the bad key."""
+    if not raw:
+        return SloConfig()
+    unknown = set(raw) - {"objectives", "models", "tenants", "default"}
+    if unknown:
+        raise ObjectiveError(f"slo: unknown key {sorted(unknown)[0]!r}")
+    objectives: dict[str, ServiceObjective] = {}
+    for name, spec in dict(raw.get("objectives") or {}).items():  # type: ignore[call-overload]
+        where = f"slo.objectives.{name}"
+        if not isinstance(spec, Mapping):
+            raise ObjectiveError(f"{where}: expected a mapping")
+        bad = set(spec) - {"priority", "ttft_ms", "tpot_ms"}
+        if bad:
+            raise ObjectiveError(f"{where}: unknown key {sorted(bad)[0]!r}")
+        priority = spec.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ObjectiveError(f"{where}.priority: expected an integer, got {priority!r}")
+        targets = [None if spec.get(k) is None else parse_target_ms(f"{where}.{k}", str(spec[k]))
+                   for k in ("ttft_ms", "tpot_ms")]
+        objectives[str(name)] = ServiceObjective(targets[0], targets[1], priority, str(name))
+    tables = {}
+    for key in ("models", "tenants"):
+        table = raw.get(key) or {}
+        if not isinstance(table, Mapping):
+            raise ObjectiveError(f"slo.{key}: expected a mapping")
+        tables[key] = {str(k): str(v) for k, v in table.items()}
+    default = raw.get("default")
+    return SloConfig(objectives, tables["models"], tables["tenants"], None if default is None else str(default))
+
+
+__all__ = ["NO_OBJECTIVE", "OBJECTIVE_HEADER", "TPOT_HEADER", "TTFT_HEADER", "ObjectiveError", "ServiceObjective",
+           "SloConfig", "objective_for", "parse_slo_config", "parse_target_ms"]

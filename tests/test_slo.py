@@ -1,0 +1,154 @@
+"""Per-request objectives (router/scheduling/slo.py) and the simulator's attainment and goodput figures."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from multidict import CIMultiDict
+
+from router.scheduling.slo import (
+    NO_OBJECTIVE,
+    ObjectiveError,
+    ServiceObjective,
+    SloConfig,
+    objective_for,
+    parse_slo_config,
+)
+from sim.runner import RequestRecord, SimConfig, SimResult, Simulation, slo_attainment, summarise
+from sim.workload import SimRequest, mooncake
+from workers.engine import EngineConfig
+
+CONFIG = parse_slo_config({
+    "objectives": {"chat": {"priority": 1, "ttft_ms": 300, "tpot_ms": 50},
+                   "batch": {"priority": -1},
+                   "gold": {"priority": 2, "ttft_ms": 150}},
+    "models": {"llama": "chat"},
+    "tenants": {"acme": "gold"},
+})
+
+
+def test_a_request_without_objective_headers_or_config_has_no_objective():
+    assert objective_for({}, SloConfig()) is NO_OBJECTIVE
+    assert not NO_OBJECTIVE.has_targets and not NO_OBJECTIVE.sheddable
+    assert objective_for({"x-unrelated": "1"}, CONFIG, model="other") is NO_OBJECTIVE
+
+
+def test_llm_d_target_headers_are_read_in_milliseconds_case_insensitively():
+    o = objective_for(CIMultiDict({"X-SLO-TTFT-MS": "250", "x-slo-tpot-ms": "20.5"}), SloConfig())
+    assert (o.ttft_s, o.tpot_s, o.priority) == (0.25, 0.0205, 0)
+
+
+def test_a_named_objective_gives_its_priority_and_targets_and_headers_override_only_targets():
+    o = objective_for({"x-gateway-inference-objective": "batch"}, CONFIG)
+    assert o == ServiceObjective(None, None, -1, "batch") and o.sheddable
+    o = objective_for({"x-gateway-inference-objective": "chat", "x-slo-ttft-ms": "900"}, CONFIG)
+    assert (o.ttft_s, o.tpot_s, o.priority, o.name) == (0.9, 0.05, 1, "chat")
+
+
+def test_defaults_come_from_the_tenant_before_the_model_and_the_header_before_both():
+    assert objective_for({}, CONFIG, model="llama").name == "chat"
+    assert objective_for({}, CONFIG, model="llama", tenant="acme").name == "gold"
+    assert objective_for({"x-gateway-inference-objective": "batch"}, CONFIG, model="llama",
+                         tenant="acme").name == "batch"
+
+
+@pytest.mark.parametrize("headers", [
+    {"x-slo-ttft-ms": "fast"}, {"x-slo-ttft-ms": "-5"}, {"x-slo-ttft-ms": "0"}, {"x-slo-tpot-ms": "nan"},
+    {"x-slo-tpot-ms": "inf"}, {"x-slo-ttft-ms": "1e12"}, {"x-gateway-inference-objective": "platinum"},
+])
+def test_a_bad_objective_header_is_an_error_naming_the_header(headers):
+    with pytest.raises(ObjectiveError) as e:
+        objective_for(headers, CONFIG)
+    assert next(iter(headers)) in str(e.value)
+
+
+@pytest.mark.parametrize(("raw", "key"), [
+    ({"objectives": {"a": {"priority": "high"}}}, "slo.objectives.a.priority"),
+    ({"objectives": {"a": {"ttft": 3}}}, "ttft"),
+    ({"objectives": {"a": {"ttft_ms": -1}}}, "slo.objectives.a.ttft_ms"),
+    ({"models": {"m": "missing"}}, "slo.models.m"),
+    ({"tenants": {"t": "missing"}}, "slo.tenants.t"),
+    ({"default": "missing"}, "slo.default"),
+    ({"objective": {}}, "objective"),
+])
+def test_bad_slo_config_names_the_key(raw, key):
+    with pytest.raises(ObjectiveError) as e:
+        parse_slo_config(raw)
+    assert key in str(e.value)
+
+
+def test_met_needs_both_targets_and_a_first_token():
+    o = ServiceObjective(0.3, 0.05)
+    assert o.met(0.3, 0.05) and not o.met(0.31, 0.01) and not o.met(0.1, 0.06) and not o.met(None, None)
+    assert o.met(0.2, None)  # one output token: no TPOT to miss
+    assert ServiceObjective(None, 0.05).met(100.0, 0.01)
+
+
+def _record(rid: str, ttft: float, tpot: float, objective: ServiceObjective, tenant: str | None = None,
+            outcome: str = "routed") -> RequestRecord:
+    rec = RequestRecord(rid, 0.0, "w0" if outcome == "routed" else None, 100, output_tokens=11, objective=objective,
+                        tenant=tenant, outcome=outcome)
+    if outcome == "routed":
+        rec.first_token_at, rec.finished_at = ttft, ttft + 10 * tpot
+    return rec
+
+
+def test_attainment_and_goodput_per_priority_and_tenant_count_a_shed_request_as_missed():
+    chat, batch = ServiceObjective(0.3, 0.05, 1), ServiceObjective(None, None, -1)
+    recs = [_record("a", 0.2, 0.04, chat, "t1"), _record("b", 0.5, 0.04, chat, "t1"),
+            _record("c", 0.2, 0.09, chat, "t2"), _record("d", 9.0, 1.0, batch, "t2"),
+            _record("e", 0, 0, batch, "t2", outcome="shed")]
+    out = slo_attainment(recs, makespan_s=2.0)
+    assert out["all"] == {"requests": 5, "met": 2, "attainment": 0.4, "goodput_rps": 1.0}
+    assert out["by_priority"]["1"]["met"] == 1 and out["by_priority"]["1"]["attainment"] == pytest.approx(1 / 3)
+    assert out["by_priority"]["-1"] == {"requests": 2, "met": 1, "attainment": 0.5, "goodput_rps": 0.5}
+    assert out["by_tenant"]["t1"]["met"] == 1 and out["by_tenant"]["t2"]["met"] == 1
+
+
+def test_a_trace_row_carries_its_objective_and_tenant_columns(tmp_path):
+    rows = [{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]},
+            {"timestamp": 10, "input_length": 600, "output_length": 4, "hash_ids": [1, 3], "slo_ttft_ms": 200,
+             "slo_tpot_ms": 40, "priority": 1, "tenant": "acme"},
+            {"timestamp": 20, "input_length": 600, "output_length": 4, "hash_ids": [4], "priority": -1}]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reqs = mooncake(path)
+    assert reqs[0].objective is NO_OBJECTIVE and reqs[0].tenant is None
+    assert (reqs[1].objective.ttft_s, reqs[1].objective.tpot_s, reqs[1].objective.priority) == (0.2, 0.04, 1)
+    assert reqs[1].tenant == "acme" and reqs[2].objective.sheddable
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**rows[1], "slo_ttft_ms": "soon"}) + "\n")
+    with pytest.raises(ObjectiveError, match=r"bad.jsonl:1: slo_ttft_ms"):
+        mooncake(bad)
+
+
+def test_the_simulator_reports_attainment_that_a_tighter_target_lowers():
+    engine = EngineConfig(block_size=16, num_gpu_blocks=512)
+    rng = np.random.default_rng(3)
+
+    def run(target_s: float) -> dict:
+        reqs = [SimRequest(f"r{i}", i * 0.05, rng.integers(0, 1000, 300).astype(np.uint32), 8,
+                           objective=ServiceObjective(target_s, None, 0), tenant=f"t{i % 2}") for i in range(40)]
+        return summarise(Simulation(reqs, SimConfig(workers=2, policy="least_loaded", engine=engine)).run())
+
+    loose, tight = run(1000.0), run(1e-6)
+    assert loose["slo_attainment"] == 1.0 and loose["goodput_rps"] > 0
+    assert tight["slo_attainment"] == 0.0 and tight["goodput_rps"] == 0.0
+    assert set(loose["slo_by_tenant"]) == {"t0", "t1"} and loose["slo_by_priority"]["0"]["requests"] == 40
+    without = summarise(SimResult("x", [], 1.0, {"w0": 0}, [], 0))
+    assert without["slo_attainment"] == 1.0 and without["goodput_rps"] == 0.0
+
+
+def test_the_router_config_reads_the_slo_section_and_names_a_bad_key(tmp_path):
+    from router.config import ConfigError, load_config
+
+    good = tmp_path / "good.yaml"
+    good.write_text("slo:\n  objectives:\n    interactive: {priority: 1, ttft_ms: 300}\n  default: interactive\n")
+    cfg = load_config(str(good), environ={})
+    assert objective_for({}, cfg.slo) == ServiceObjective(0.3, None, 1, "interactive")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("slo:\n  objectives:\n    interactive: {priority: 1}\n  models: {m: gone}\n")
+    with pytest.raises(ConfigError, match=r"slo\.models\.m"):
+        load_config(str(bad), environ={})
