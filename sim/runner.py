@@ -229,7 +229,8 @@ class Simulation:
     # ---- events ----------------------------------------------------------------------------------
     def route_request(self, r: SimRequest, tokens: np.ndarray) -> RouteRequest:
         keys = chain_keys(tokens, self.block_size)
-        return RouteRequest(r.request_id, keys, len(tokens), self.block_size, r.output_len, session=r.session)
+        return RouteRequest(r.request_id, keys, len(tokens), self.block_size, r.output_len, session=r.session,
+                            objective=r.objective)
 
     def decide(self, r: SimRequest, now: float, tokens: np.ndarray | None = None) -> tuple[RouteRequest, Decision]:
         """The core's decision for ``r`` at ``now`` (plugins reading the simulation see it as ``deciding``)."""

@@ -152,3 +152,99 @@ def test_the_router_config_reads_the_slo_section_and_names_a_bad_key(tmp_path):
     bad.write_text("slo:\n  objectives:\n    interactive: {priority: 1}\n  models: {m: gone}\n")
     with pytest.raises(ConfigError, match=r"slo\.models\.m"):
         load_config(str(bad), environ={})
+
+
+# ---- routing to the objective (router/scheduling/plugins/pickers/meets_objective.py) ------------------------
+
+def _fleet_with_a_cached_but_busy_worker():
+    """w0 holds an 8K-token prompt's prefix and decodes six requests; w1 is idle and cold. Without targets the
+    objective prefers w1 (the cold prefill costs this request 0.17 s, the hit on w0 would slow six decodes)."""
+    from sim.workload import tokens_for_block
+    from tests.test_routing_core import core_with, feed_prefix, request
+
+    core = core_with(2)
+    prompt = tokens_for_block(5, 8192).tolist()
+    feed_prefix(core, "w0", prompt, 0.0)
+    for i in range(6):
+        r = request(tokens_for_block(100 + i, 512).tolist(), f"busy{i}", max_tokens=200)
+        core.dispatch(r, core.decide(r, 0.0), "w0", 0.0)
+        core.first_token(f"busy{i}", 0.1)
+    return core, lambda objective: request(prompt, "x", max_tokens=100, objective=objective)
+
+
+def test_without_targets_the_objective_picker_ranks_as_min_score_does():
+    core, req = _fleet_with_a_cached_but_busy_worker()
+    d = core.decide(req(NO_OBJECTIVE), 0.2)
+    assert d.outcome == "routed" and list(d.ranked) == ["w1", "w0"]
+    r0, r1 = d.report("w0"), d.report("w1")
+    assert r1.score < r0.score and r0.ttft_s < r1.ttft_s  # the trade issue 43 is about: w1 costs it TTFT
+
+
+def test_a_ttft_target_only_one_worker_meets_sends_it_there():
+    core, req = _fleet_with_a_cached_but_busy_worker()
+    loose = core.decide(req(ServiceObjective(10.0, None)), 0.2)
+    assert list(loose.ranked) == ["w1", "w0"]  # both meet it: the one that costs the others least
+    tight = core.decide(req(ServiceObjective(0.1, None)), 0.2)
+    assert list(tight.ranked) == ["w0", "w1"]
+    assert tight.report("w0").ttft_s <= 0.9 * 0.1 < tight.report("w1").ttft_s
+    assert tight.predicted_ttft_s == tight.report("w0").ttft_s and tight.predicted_tpot_s == tight.report("w0").step_s
+    assert "targets TTFT 100 ms" in tight.reason
+
+
+def test_the_margin_keeps_a_barely_met_target_from_counting_as_met():
+    core, req = _fleet_with_a_cached_but_busy_worker()
+    w1_ttft = core.decide(req(NO_OBJECTIVE), 0.2).report("w1").ttft_s
+    # w1 is predicted just under the target, but not by the 10% margin: w0 (well within it) is chosen
+    d = core.decide(req(ServiceObjective(w1_ttft * 1.05, None)), 0.2)
+    assert d.ranked[0] == "w0"
+
+
+def test_nobody_meeting_the_target_sheds_a_sheddable_request_and_routes_others_to_the_least_violation():
+    core, req = _fleet_with_a_cached_but_busy_worker()
+    shed = core.decide(req(ServiceObjective(1e-4, None, -1)), 0.2)
+    assert shed.outcome == "shed" and not shed.ranked and "no worker meets its objective" in shed.reason
+    assert {c.worker_id for c in shed.candidates} == {"w0", "w1"}  # the debug view still explains it
+    kept = core.decide(req(ServiceObjective(1e-4, None, 0)), 0.2)
+    assert kept.outcome == "routed" and list(kept.ranked) == ["w0", "w1"]  # w0's predicted TTFT is the nearest
+    tpot = core.decide(req(ServiceObjective(None, 1e-6, 0)), 0.2)
+    assert tpot.outcome == "routed"
+
+
+def test_a_profile_without_predictions_ignores_targets_as_the_peers_do():
+    from sim.workload import tokens_for_block
+    from tests.test_routing_core import core_with, request
+
+    core = core_with(3, policy="least_loaded")
+    prompt = tokens_for_block(9, 256).tolist()
+    d = core.decide(request(prompt, "x", objective=ServiceObjective(1e-6, 1e-6, -1)), 0.0)
+    assert d.outcome == "routed"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_meets_objective_without_targets_is_min_score_over_random_fleets(seed):
+    """The same decisions, ranking and draws as the min-score picker, whatever the fleet (a request without an
+    objective keeps today's behaviour exactly)."""
+    from router.scheduling import Endpoint, RoutingConfig, RoutingCore
+    from sim.workload import tokens_for_block
+    from tests.test_routing_core import request
+
+    rng = np.random.default_rng(seed)
+    sched = {"profiles": [{"name": "old", "plugins": [{"ref": "healthy"}, {"ref": "latency-cost"},
+                                                      {"ref": "min-score"}]},
+                          {"name": "new", "plugins": [{"ref": "healthy"}, {"ref": "latency-cost"},
+                                                      {"ref": "meets-objective"}]}]}
+    cores = {p: RoutingCore(RoutingConfig(policy=p, seed=seed, scheduling=sched)) for p in ("old", "new")}
+    n = int(rng.integers(2, 40))
+    for core in cores.values():
+        for i in range(n):
+            core.upsert_endpoint(Endpoint(f"w{i}", f"10.0.0.{i}:8000"))
+    for k in range(30):
+        prompt = tokens_for_block(int(rng.integers(0, 6)), int(rng.integers(16, 3000))).tolist()
+        max_tokens = int(rng.integers(1, 300))
+        out = []
+        for core in cores.values():
+            r = request(prompt, f"r{k}", max_tokens=max_tokens)
+            d = core.decide(r, k * 0.01)
+            core.dispatch(r, d, d.chosen, k * 0.01)
+            out.append(list(d.ranked))
+        assert out[0] == out[1]

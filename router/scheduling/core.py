@@ -23,8 +23,9 @@ from router.scheduling.cost import CostParams
 from router.scheduling.disagg import DisaggParams, PrefillPlan, plan_prefill
 from router.scheduling.lifecycle import Dispatch
 from router.scheduling.masks import all_set, all_slots, any_set, set_slots
-from router.scheduling.plugins.base import Scorer
+from router.scheduling.plugins.base import Scorer, Unservable
 from router.scheduling.plugins.filters.admission import SATURATED
+from router.scheduling.plugins.pickers.meets_objective import targets_text
 from router.scheduling.profiles import (
     SchedulingConfig,
     build_profile,
@@ -202,16 +203,25 @@ class RoutingCore:
                 acc += weight * np.asarray(_scores(scorer, snap, eligible), dtype=float)
             totals = acc.tolist()
         snap.set_scores(eligible, totals)
-        ranked = profile.picker.rank(snap, eligible, totals)
-        if ranked is None:
-            ranked = profile.picker.pick(snap, snap.eligible, totals)
+        try:
+            ranked = profile.picker.rank(snap, eligible, totals)
+            if ranked is None:
+                ranked = profile.picker.pick(snap, snap.eligible, totals)
+        except Unservable as refusal:
+            decision.outcome, decision.reason = "shed", str(refusal)
+            decision.attach(SnapshotReports(snap, [*eligible.tolist(), *filtered]))
+            return decision
         decision.ranked = ranked
         chosen = snap.candidate(snap.slot[ranked[0]])
         decision.uncached_tokens = req.prompt_tokens - hit_tokens(chosen.matched_blocks, req.block_size,
                                                                   req.prompt_tokens)
         decision.predicted_ttft_s = chosen.ttft_s or None
+        decision.predicted_tpot_s = chosen.step_s or None
         if profile.uses_prefix and not snap.prefix_credited():
             decision.reason = "load only: no worker's index is synced and fresh"
+        elif chosen.ttft_s and req.objective.has_targets:
+            decision.reason = (f"{profile.name}: predicted TTFT {chosen.ttft_s * 1e3:.1f} ms, TPOT "
+                               f"{chosen.step_s * 1e3:.1f} ms{targets_text(req.objective)}")
         elif chosen.ttft_s:
             decision.reason = f"{profile.name}: min estimated TTFT {chosen.ttft_s * 1e3:.1f} ms"
         else:

@@ -195,9 +195,10 @@ def builtin_profiles(max_inflight_requests: int | None = 512, max_inflight_token
         "session_hash": [*filters, ("session-hash", {}, 1.0)],
         "approx_prefix": [*filters, ("approx-prefix", {"capacity_blocks": approx_capacity_blocks}, 1.0),
                           ("min-score", {}, 1.0)],
-        "precise": [*filters, ("latency-cost", {}, 1.0), ("min-score", {}, 1.0)],
+        # meets-objective: min-score for a request without targets; to its targets on the scorer's predictions
+        "precise": [*filters, ("latency-cost", {}, 1.0), ("meets-objective", {}, 1.0)],
         # the same objective, TTFT first: the decode time the KV load decides is not counted
-        "precise_ttft": [*filters, ("latency-cost", {"kv_load_weight": 0.0}, 1.0), ("min-score", {}, 1.0)],
+        "precise_ttft": [*filters, ("latency-cost", {"kv_load_weight": 0.0}, 1.0), ("meets-objective", {}, 1.0)],
         # the peers' algorithms as their public code and docs describe them (docs/plugins.md, "Peer profiles")
         "llmd": [*filters, ("llmd-precise-prefix", {}, 2.0), ("llmd-queue", {}, 1.0),
                  ("llmd-kv-utilization", {}, 1.0), ("min-score", {}, 1.0)],

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol
 
+from router.scheduling.slo import NO_OBJECTIVE, ServiceObjective
+
 
 def hit_tokens(matched_blocks: int, block_size: int, prompt_tokens: int) -> int:
     """Prompt tokens a worker holding ``matched_blocks`` of the prompt skips: the engine always computes the
@@ -57,6 +59,7 @@ class RouteRequest:
     session: str | None = None  # session affinity key (e.g. a header value)
     subset: frozenset[str] | None = None  # worker ids or addresses the gateway allows
     role: str = "decode"  # decode (generate) | prefill (the prefill half of a disaggregated request)
+    objective: ServiceObjective = NO_OBJECTIVE  # TTFT/TPOT targets and priority (router/scheduling/slo.py)
 
 
 @dataclass(slots=True)
@@ -115,6 +118,7 @@ class Decision:
     retry_after_s: float = 1.0
     uncached_tokens: int = 0  # estimated on the chosen worker
     predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None  # the decode step predicted on the chosen worker
     disagg: dict[str, Any] | None = None  # the prefill/decode split considered for it (PrefillPlan.explain)
     # the candidates' reports: a list, or built from the decision's snapshot when first read (``attach``)
     _candidates: list[CandidateReport] | None = field(default=None, repr=False)
@@ -158,5 +162,5 @@ class Decision:
     def as_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "outcome": self.outcome, "reason": self.reason, "ranked": list(self.ranked),
                 "uncached_tokens": self.uncached_tokens, "predicted_ttft_s": self.predicted_ttft_s,
-                "disagg": self.disagg,
+                "predicted_tpot_s": self.predicted_tpot_s, "disagg": self.disagg,
                 "candidates": [c.as_dict() for c in self.candidates]}

@@ -81,6 +81,11 @@ class Scorer(Plugin):
         return None
 
 
+class Unservable(Exception):
+    """A picker's verdict that no candidate should take the request (a sheddable request no worker can serve
+    within its objective): the decision's outcome is ``shed``, which the front ends answer 429 with Retry-After."""
+
+
 class Picker(Plugin):
     kind = "picker"
 

@@ -14,6 +14,7 @@ from router.scheduling.plugins.filters.healthy import Healthy
 from router.scheduling.plugins.filters.in_subset import InSubset
 from router.scheduling.plugins.filters.not_draining import NotDraining
 from router.scheduling.plugins.filters.serves_model import ServesModel
+from router.scheduling.plugins.pickers.meets_objective import MeetsObjective
 from router.scheduling.plugins.pickers.min_score import MinScore
 from router.scheduling.plugins.pickers.peer_softmax import Softmax
 from router.scheduling.plugins.pickers.random_pick import RandomPick
@@ -47,7 +48,7 @@ def register(cls: type[Plugin]) -> type[Plugin]:
 
 for _cls in (Healthy, NotDraining, InSubset, ServesModel, Admission,
              LatencyCost, Load, ApproxPrefix,
-             MinScore, RandomPick, RoundRobin, SessionHash,
+             MinScore, MeetsObjective, RandomPick, RoundRobin, SessionHash,
              # the peers' algorithms (the llmd, llmd_affinity, dynamo, aibrix and preble profiles)
              LlmdPrecisePrefix, LlmdQueue, LlmdKvUtilization, LlmdTokenLoad, LlmdPrefixAffinity,
              DynamoCost, Softmax, AibrixPrefixCache, PrebleE2):
