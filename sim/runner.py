@@ -23,6 +23,7 @@ from router.events.codec import EventBatch
 from router.heap import rare_collections
 from router.keys import chain_keys
 from router.scheduling import Decision, Endpoint, RouteRequest, RoutingConfig, RoutingCore
+from router.scheduling.flow import FlowParams, FlowQueue, Queued
 from router.scheduling.slo import NO_OBJECTIVE, ServiceObjective
 from sim.oracle import sim_routing
 from sim.workload import SimRequest
@@ -63,6 +64,9 @@ class SimConfig:
     # at this time the worker holding the most cached blocks (then the most requests) restarts, as
     # EventFaults.restart_at: the restart that costs each policy the most cache, whichever worker that is
     restart_busiest_at: float | None = None
+    # flow control (router/scheduling/flow.py): requests held in the router while the fleet is saturated, as the
+    # live router holds them with the same queue; None or disabled: every request is dispatched on arrival
+    flow: FlowParams | None = None
 
 
 @dataclass
@@ -141,6 +145,7 @@ class Simulation:
         self.route_reqs: dict[str, RouteRequest] = {}
         self.deciding: tuple[SimRequest, np.ndarray] | None = None  # the arrival being decided, for sim plugins
         self.restarts: list[tuple[float, str]] = []  # (time, worker) of each engine restart
+        self.flow = FlowQueue(config.flow) if config.flow is not None and config.flow.enabled else None
         for plugin in self.core.profile.plugins:  # plugins that read the simulation itself (sim/oracle.py)
             attach = getattr(plugin, "attach_simulation", None)
             if attach is not None:
@@ -197,6 +202,8 @@ class Simulation:
                     hit += rec.cached_tokens
                     prompt += rec.prompt_tokens
                 done += len(finished)
+                if self.flow is not None and self.flow:
+                    done += self._release_held(now)  # a step's end is where the fleet may have room again
                 if progress and finished:
                     progress(done, total)
             elif kind == SCRAPE:
@@ -218,6 +225,9 @@ class Simulation:
                 loads = [self.core.load.load(w).requests for w in self.ids]
                 timeline.append((now, hit / prompt if prompt else 0.0, loads))
                 next_sample = now + sample_every
+        if self.flow is not None:  # nothing runs and nothing will arrive: what is still held is refused
+            for item in self.flow.take_all():
+                self.records[item.request_id].outcome = "shed"
         records = list(self.records.values())
         per_worker: dict[str, int] = dict.fromkeys(self.ids, 0)
         for rec in records:
@@ -251,6 +261,51 @@ class Simulation:
         if decision.outcome != "routed":
             rec.outcome, rec.worker = decision.outcome, None
             return False
+        flow = self.flow
+        if flow is not None and (flow.waiting_at_or_above(r.objective.priority) or self._saturated(decision)):
+            rec.worker = None
+            if flow.push(Queued(r.request_id, now, len(tokens) + r.output_len, r.objective, r.tenant, (r, tokens))):
+                return True
+            rec.outcome = "shed"  # the router's queue is full: a 429 at once
+            return False
+        return self._dispatch(r, tokens, rr, decision, rec, now)
+
+    def _saturated(self, decision: Decision) -> bool:
+        """Flow control's saturation detector: the chosen worker would make the request queue in the engine."""
+        assert self.flow is not None and decision.chosen is not None
+        chosen = decision.report(decision.chosen)
+        return chosen is not None and chosen.queue_s > self.flow.params.saturation_queue_s
+
+    def _release_held(self, now: float) -> int:
+        """Dispatch held requests while the fleet has room (highest priority first, tenants in turn), after
+        taking out those past their deadline; returns how many ended here (expired or shed)."""
+        flow = self.flow
+        assert flow is not None
+        ended = 0
+        for item in flow.expire(now):
+            self.records[item.request_id].outcome = "shed"
+            ended += 1
+        while (item := flow.head()) is not None:
+            r, tokens = item.payload
+            rr, decision = self.decide(r, now, tokens)
+            rec = self.records[r.request_id]
+            if decision.outcome != "routed":  # shed by the picker, or nobody serves it any more
+                flow.remove(r.request_id)
+                rec.outcome = decision.outcome
+                ended += 1
+                continue
+            if self._saturated(decision):
+                break
+            flow.pop(item)
+            rec.worker = decision.chosen
+            if not self._dispatch(r, tokens, rr, decision, rec, now):
+                ended += 1
+        return ended
+
+    def _dispatch(self, r: SimRequest, tokens: np.ndarray, rr: RouteRequest, decision: Decision,
+                  rec: RequestRecord, now: float) -> bool:
+        """Send a routed request to its worker (and its prefill worker, when split); ``False`` when the engine
+        refused it (an HTTP 400: it ends here)."""
         w = decision.ranked[0]
         plan = None
         if self.disaggregated:
@@ -289,6 +344,8 @@ class Simulation:
     def _start_step(self, w: str, now: float) -> None:
         # nothing reaches this engine before the next arrival: let pure decode runs fast-forward to it
         until = self.requests[self.next_arrival].arrival if self.next_arrival < len(self.requests) else float("inf")
+        if self.flow is not None and self.flow:
+            until = now  # a held request may be sent here at any engine's step end: no decode runs ahead
         result = self.engines[w].step(now, until)
         self.busy[w] = True
         self._push(now + result.duration_s, STEP_END, (w, self.generation[w], result))

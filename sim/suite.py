@@ -29,15 +29,19 @@ import yaml
 
 from router.scheduling import CostParams
 from router.scheduling import profiles as _profiles
+from router.scheduling.flow import FlowParams
+from router.scheduling.slo import ServiceObjective
 from sim.oracle import ORACLE, sim_routing
 from sim.runner import EventFaults, SimConfig, SimResult, Simulation, summarise
 from sim.workload import (
     SimRequest,
     cache_bound,
     hot_prefix,
+    merged,
     mooncake,
     multi_turn,
     shared_prefix,
+    with_objective,
     zipf_prefixes,
 )
 from workers.engine import EngineConfig, TimingModel
@@ -70,6 +74,7 @@ class Setup:
     restart_busiest_at: float | None = None
     roles: dict[int, str] = field(default_factory=dict)  # prefill/decode disaggregation (default: all both)
     notes: dict[str, Any] = field(default_factory=dict)
+    flow: FlowParams | None = None  # the router's flow control (router/scheduling/flow.py), the same for every profile
 
     @property
     def fleet_cache_tokens(self) -> int:
@@ -168,6 +173,57 @@ def _disaggregated(quick: bool, trace: Path) -> Setup:
     return setup
 
 
+# ---- the SLO scenarios (docs/slo.md) ---------------------------------------------------------------------------
+INTERACTIVE = ServiceObjective(0.3, 0.05, 0, "interactive")  # the issue's chat: TTFT <= 300 ms, TPOT <= 50 ms
+BATCH = ServiceObjective(None, None, -1, "batch")  # no latency targets, sheddable
+# The fleets' capacities for the SLO workloads, in requests/s: least_loaded's completions per second over the
+# middle half of a run, where they stop growing with the offered rate (8 SYNTH_ENGINE workers; rates 40-200/s
+# for the mix, 60-400/s for the tenants' shape). Each scenario offers OVERLOAD times that.
+SLO_MIXED_CAPACITY_RPS = 42.0
+NOISY_TENANT_CAPACITY_RPS = 150.0
+OVERLOAD = 1.3
+SLO_FLOW = FlowParams(enabled=True)
+
+
+def _slo_mixed(quick: bool, _: Path) -> Setup:
+    """Interactive chats with targets (two thirds of the requests: 16 shared 1K-token system prompts, 128-token
+    questions and answers) and sheddable batch jobs (4K-token documents of their own, 384-token answers), together
+    at 1.3x the fleet's capacity."""
+    n = 300 if quick else 1200
+    rate = OVERLOAD * SLO_MIXED_CAPACITY_RPS
+    chats = with_objective(shared_prefix(16, 2 * n // 3 // 16, 1024, 128, 128, rate=rate * 2 / 3, seed=3),
+                           INTERACTIVE, "chat", "i-")
+    batch = with_objective(shared_prefix(n // 3, 1, 4096, 64, 384, rate=rate / 3, seed=4), BATCH, "batch", "b-")
+    return Setup(merged(chats, batch), SYNTH_ENGINE, flow=SLO_FLOW,
+                 notes={"offered_rps": rate, "capacity_rps": SLO_MIXED_CAPACITY_RPS})
+
+
+def _noisy_tenant(quick: bool, _: Path) -> Setup:
+    """Four tenants of interactive chats (each its own 32 Zipf-popular 1K-token system prompts), one of them
+    sending 10x what each of the others sends; together 1.3x the fleet's capacity."""
+    n = 650 if quick else 3900
+    rate = OVERLOAD * NOISY_TENANT_CAPACITY_RPS
+    tenants = []
+    for t in range(4):
+        share = (10 if t == 0 else 1) / 13
+        reqs = zipf_prefixes(int(n * share), 32, 1024, 1.1, (128, 512), 256, rate=rate * share, seed=10 + t,
+                             salt=10 + t)
+        tenants.append(with_objective(reqs, INTERACTIVE, "noisy" if t == 0 else f"quiet{t}", f"t{t}-"))
+    return Setup(merged(*tenants), SYNTH_ENGINE, flow=SLO_FLOW,
+                 notes={"offered_rps": rate, "capacity_rps": NOISY_TENANT_CAPACITY_RPS, "noisy_share": 10 / 13})
+
+
+def _slo_heterogeneous(quick: bool, _: Path) -> Setup:
+    """The heterogeneous fleet (w0 with half the compute) under the shared-prefix groups at three times the
+    heterogeneous scenario's rate, every request with tight targets (TTFT <= 100 ms, TPOT <= 15 ms: the slow
+    worker's decode step alone misses the latter once it is busy)."""
+    g, n = (8, 6) if quick else (32, 16)
+    slow = dataclasses.replace(SYNTH_ENGINE, timing=half_compute(SYNTH_ENGINE.timing))
+    tight = ServiceObjective(0.1, 0.015, 0, "tight")
+    reqs = with_objective(shared_prefix(g, n, 2048, 128, 256, rate=60.0, seed=1), tight)
+    return Setup(reqs, SYNTH_ENGINE, engines={0: slow}, flow=SLO_FLOW, notes={"slow_worker": "w0"})
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("trace_light", "Mooncake conversation trace, ~1.2x least_loaded's unloaded mean TTFT",
              _trace("trace_light"), needs_trace=True),
@@ -193,6 +249,12 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              _event_delay),
     Scenario("disaggregated", "the heavy trace on 2 prefill + 6 decode workers, split when it pays",
              _disaggregated, needs_trace=True),
+    Scenario("slo_mixed", "interactive chats (TTFT 300 ms, TPOT 50 ms) + sheddable batch (priority -1) at 1.3x "
+             "capacity, flow control on", _slo_mixed),
+    Scenario("noisy_tenant", "four tenants' chats (TTFT 300 ms, TPOT 50 ms), one sending 10x each other's, at 1.3x "
+             "capacity, flow control on", _noisy_tenant),
+    Scenario("slo_heterogeneous", "shared-prefix groups at 60/s on the heterogeneous fleet (w0 half speed), tight "
+             "targets (TTFT 100 ms, TPOT 15 ms), flow control on", _slo_heterogeneous),
 )}
 SUITES = {"standard": tuple(SCENARIOS)}
 
@@ -221,7 +283,7 @@ def run_scenario(scenario: Scenario, policies: Sequence[str], quick: bool = Fals
         routing = None if cost is None else sim_routing(name, setup.engine.block_size, seed, cost=cost)
         cfg = SimConfig(workers=setup.workers, policy=name, engine=setup.engine, engines=setup.engines,
                         faults=setup.faults, seed=seed, restart_busiest_at=setup.restart_busiest_at, routing=routing,
-                        roles=setup.roles)
+                        roles=setup.roles, flow=setup.flow)
         res = Simulation(setup.requests, cfg).run()
         s = summarise(res)
         results[name] = {k: s[k] for k in SUMMARY_KEYS}
@@ -261,7 +323,8 @@ def run_suite(suite: str = "standard", quick: bool = False, trace: Path = TRACE,
 
 def standings(result: dict[str, Any]) -> dict[str, Any]:
     """Per scenario: which profile won mean TTFT and mean E2E, and precise's distance to the best profile other
-    than the oracle and to the oracle (positive: precise is slower, in percent)."""
+    than the oracle and to the oracle (positive: precise is slower, in percent); which won goodput, and precise's
+    goodput over the best other profile's."""
     out = {}
     for name, sc in result["scenarios"].items():
         pol = sc.get("policies") or {}
@@ -280,6 +343,16 @@ def standings(result: dict[str, Any]) -> dict[str, Any]:
                     row[metric]["precise_vs_best_other_pct"] = _pct(v, pol[b][metric])
                 if ORACLE in pol:
                     row[metric]["precise_vs_oracle_pct"] = _pct(v, pol[ORACLE][metric])
+        # goodput (requests meeting their objective per second): higher is better, precise's as a ratio
+        best = max(pol, key=lambda p: pol[p]["goodput_rps"])
+        row["goodput_rps"] = {"winner": best, "winner_value": pol[best]["goodput_rps"]}
+        others = [p for p in pol if p not in (ORACLE, "precise")]
+        if "precise" in pol and others:
+            b = max(others, key=lambda p: pol[p]["goodput_rps"])
+            ref = pol[b]["goodput_rps"]
+            row["goodput_rps"]["best_other"] = b
+            row["goodput_rps"]["precise_vs_best_other_ratio"] = (
+                round(pol["precise"]["goodput_rps"] / ref, 3) if ref else None)
         out[name] = row
     return out
 

@@ -242,6 +242,18 @@ def zipf_prefixes(requests: int = 800, prefixes: int = 24, prefix_tokens: int = 
     return out
 
 
+def with_objective(requests: list[SimRequest], objective: ServiceObjective, tenant: str | None = None,
+                   prefix: str = "") -> list[SimRequest]:
+    """The same requests carrying ``objective`` and ``tenant`` (their ids prefixed, so that workloads merge)."""
+    return [SimRequest(prefix + r.request_id, r.arrival, r.prompt, r.output_len, r.session, r.hash_ids, objective,
+                       tenant) for r in requests]
+
+
+def merged(*workloads: list[SimRequest]) -> list[SimRequest]:
+    """Several workloads over the same time window, in arrival order."""
+    return sorted((r for w in workloads for r in w), key=lambda r: r.arrival)
+
+
 def demo_shape(rate: float = 16.0, seed: int = 0) -> list[SimRequest]:
     """``kvrouter demo``'s workload: 24 groups x 6, ~1,880-token system prompts, 64-token questions, 48 output
     tokens, 16/s (the demo's fleet: ``--workers 3 --gpu-blocks 1024``)."""
