@@ -186,11 +186,15 @@ SLO_FLOW = FlowParams(enabled=True)
 
 
 def _slo_mixed(quick: bool, _: Path) -> Setup:
+    return slo_mixed_setup(quick, OVERLOAD)
+
+
+def slo_mixed_setup(quick: bool, load: float) -> Setup:
     """Interactive chats with targets (two thirds of the requests: 16 shared 1K-token system prompts, 128-token
     questions and answers) and sheddable batch jobs (4K-token documents of their own, 384-token answers), together
-    at 1.3x the fleet's capacity."""
+    at ``load`` times the fleet's capacity (the scenario: 1.3x)."""
     n = 300 if quick else 1200
-    rate = OVERLOAD * SLO_MIXED_CAPACITY_RPS
+    rate = load * SLO_MIXED_CAPACITY_RPS
     chats = with_objective(shared_prefix(16, 2 * n // 3 // 16, 1024, 128, 128, rate=rate * 2 / 3, seed=3),
                            INTERACTIVE, "chat", "i-")
     batch = with_objective(shared_prefix(n // 3, 1, 4096, 64, 384, rate=rate / 3, seed=4), BATCH, "batch", "b-")
