@@ -18,7 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.frontends import h2grpc
-from router.frontends.h2grpc import PREFACE, GrpcServer
+from router.frontends.h2grpc import PREFACE, ConnectionLimits, GrpcServer
 
 pytestmark = pytest.mark.sockets
 
@@ -33,7 +33,8 @@ def body_of(resp: pb.ProcessingResponse) -> bytes:
 
 class Echo(pb_grpc.ExternalProcessorServicer):
     """Answers every message with its body; a body of b"abort" / b"raise" / b"wait" aborts, raises, or waits
-    until cancelled (``ended`` records how each stream's handler ended)."""
+    until cancelled, and b"remaining" is answered with ``context.time_remaining()`` (``ended`` records how each
+    stream's handler ended)."""
 
     def __init__(self) -> None:
         self.ended: list[str] = []
@@ -51,6 +52,8 @@ class Echo(pb_grpc.ExternalProcessorServicer):
                 if data == b"wait":
                     self.waiting.set()
                     await asyncio.Event().wait()
+                if data == b"remaining":
+                    data = repr(ctx.time_remaining()).encode()
                 yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
                     body_mutation=pb.BodyMutation(body=data))))
         except asyncio.CancelledError:
@@ -61,8 +64,9 @@ class Echo(pb_grpc.ExternalProcessorServicer):
 
 
 @asynccontextmanager
-async def served(max_message_bytes: int = 64 * 1024 * 1024) -> AsyncIterator[tuple[GrpcServer, Echo, grpc.aio.Channel]]:
-    server, echo = GrpcServer(max_message_bytes), Echo()
+async def served(max_message_bytes: int = 64 * 1024 * 1024, limits: ConnectionLimits | None = None,
+                 ) -> AsyncIterator[tuple[GrpcServer, Echo, grpc.aio.Channel]]:
+    server, echo = GrpcServer(max_message_bytes, limits), Echo()
     pb_grpc.add_ExternalProcessorServicer_to_server(echo, server)
     hs = health.HealthServicer(experimental_non_blocking=True)
     hs.set("ready", health_pb2.HealthCheckResponse.SERVING)
@@ -224,7 +228,8 @@ async def test_stop_lets_an_open_stream_finish_and_refuses_new_ones():
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
 
 
-async def _raw(port: int, data: bytes) -> bytes:
+async def exchange(port: int, data: bytes) -> bytes:
+    """What the server sends a connection that sends ``data``, until the server closes it."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(data)
     await writer.drain()
@@ -233,7 +238,8 @@ async def _raw(port: int, data: bytes) -> bytes:
     return got
 
 
-def _frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
+def frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
+    """The whole frames in ``data``: (type, flags, stream id, payload)."""
     out, pos = [], 0
     while pos + 9 <= len(data):
         lt, flags, sid = struct.unpack_from(">IBI", data, pos)
@@ -245,13 +251,13 @@ def _frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
 
 async def test_not_http2_and_an_oversized_frame_end_the_connection_with_goaway():
     async with served() as (server, _, _):
-        got = await _raw(server.port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        goaway = [f for f in _frames(got) if f[0] == 7]
+        got = await exchange(server.port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        goaway = [f for f in frames(got) if f[0] == 7]
         assert goaway and struct.unpack(">I", goaway[0][3][4:8])[0] == 1  # PROTOCOL_ERROR
         settings = struct.pack(">IBI", 0 << 8 | 4, 0, 0)
         huge = struct.pack(">IBI", 20000 << 8 | 0, 0, 1) + b"\0" * 20000
-        got = await _raw(server.port, PREFACE + settings + huge)
-        goaway = [f for f in _frames(got) if f[0] == 7]
+        got = await exchange(server.port, PREFACE + settings + huge)
+        goaway = [f for f in frames(got) if f[0] == 7]
         assert goaway and struct.unpack(">I", goaway[0][3][4:8])[0] == 6  # FRAME_SIZE_ERROR
 
 
@@ -289,16 +295,16 @@ async def test_a_stream_past_the_advertised_limit_is_refused_and_the_open_one_se
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         writer.write(PREFACE + struct.pack(">IBI", 0 << 8 | 4, 0, 0) + headers(1, False) + headers(3, True))
         got = b""
-        while not any(f[0] == 3 and f[2] == 3 for f in _frames(got)):  # RST_STREAM on stream 3
+        while not any(f[0] == 3 and f[2] == 3 for f in frames(got)):  # RST_STREAM on stream 3
             got += await asyncio.wait_for(reader.read(65536), 10)
-        settings = next(f for f in _frames(got) if f[0] == 4 and not f[1] & 1)[3]
+        settings = next(f for f in frames(got) if f[0] == 4 and not f[1] & 1)[3]
         assert (3, 1) in [struct.unpack_from(">HI", settings, o) for o in range(0, len(settings), 6)]
-        rst = next(f for f in _frames(got) if f[0] == 3 and f[2] == 3)
+        rst = next(f for f in frames(got) if f[0] == 3 and f[2] == 3)
         assert struct.unpack(">I", rst[3])[0] == 7  # REFUSED_STREAM: the client may retry it elsewhere
         writer.write(struct.pack(">IBI", len(data) << 8 | 0, 0x1, 1) + data)  # stream 1 is still served
-        while not any(f[0] == 1 and f[2] == 1 and f[1] & 0x1 for f in _frames(got)):  # its trailers
+        while not any(f[0] == 1 and f[2] == 1 and f[1] & 0x1 for f in frames(got)):  # its trailers
             got += await asyncio.wait_for(reader.read(65536), 10)
-        assert b"late" in b"".join(f[3] for f in _frames(got) if f[0] == 0 and f[2] == 1)
+        assert b"late" in b"".join(f[3] for f in frames(got) if f[0] == 0 and f[2] == 1)
         writer.close()
 
 

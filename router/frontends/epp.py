@@ -42,7 +42,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from router.config import RouterConfig
 from router.frontends.api_paths import GENERATE_PATHS, TOKENIZER_PATHS, api_path, is_api_path
 from router.frontends.fleet import Fleet, fleet_from_config
-from router.frontends.h2grpc import GrpcServer
+from router.frontends.h2grpc import ConnectionLimits, GrpcServer
 from router.frontends.metrics import RouterMetrics
 from router.frontends.openai import BadRequest, RequestParser, new_request_id, salt_rule
 from router.frontends.processes import ProcessSlot, start_shared_load
@@ -458,7 +458,9 @@ async def run_epp(config: RouterConfig, started: asyncio.Event | None = None,
     try:
         await serve_epp(core, fleet, picker, config.epp.port, config.epp.health_port, config.epp.host,
                         started=started, grace_s=config.epp.grace_s, reuse_port=slot is not None,
-                        grpc_server=config.epp.grpc_server)
+                        grpc_server=config.epp.grpc_server,
+                        limits=ConnectionLimits(config.epp.handshake_timeout_s, config.epp.idle_timeout_s,
+                                                config.epp.max_connections))
     finally:
         await runner.cleanup()
         if shared is not None:
@@ -469,21 +471,22 @@ async def run_epp(config: RouterConfig, started: asyncio.Event | None = None,
 async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, port: int, health_port: int | None,
                     host: str = "0.0.0.0", max_message_bytes: int = 64 * 1024 * 1024,
                     started: asyncio.Event | None = None, grace_s: float = 10.0, reuse_port: bool = False,
-                    grpc_server: str = "kvrouter") -> None:
+                    grpc_server: str = "kvrouter", limits: ConnectionLimits | None = None) -> None:
     """Serve ext_proc (and gRPC health, on ``health_port`` or the same port) until cancelled, then drain.
     ``grpc_server``: "kvrouter" (router/frontends/h2grpc.py) or "grpcio" (grpc.aio) on the ext_proc port; a
     separate health port is grpc.aio's (``grpc.health.v1``'s ``Check`` and ``Watch`` on either). ``reuse_port``: one
     of several processes on these ports (the kernel spreads connections over them: a gateway multiplexing every
     stream onto one HTTP/2 connection must be told to open several, e.g. Envoy's cluster
     ``max_concurrent_streams`` at ``SHARED_PORT_MAX_STREAMS``; a server-side cap instead would refuse the streams
-    that race a closing one)."""
+    that race a closing one). ``limits``: the kvrouter server's connection timeouts and cap (grpcio keeps its
+    own)."""
     from router.frontends.rank import RankService
     from router.gen import picker_pb2_grpc
 
     if grpc_server not in ("kvrouter", "grpcio"):
         raise ValueError(f"epp.grpc_server must be 'kvrouter' or 'grpcio', not {grpc_server!r}")
     hs = await health_servicer(fleet)
-    server = _grpc_server(grpc_server, max_message_bytes, reuse_port)
+    server = _grpc_server(grpc_server, max_message_bytes, reuse_port, limits)
     pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
     picker_pb2_grpc.add_PickerServicer_to_server(
         RankService(core, picker.tokenizer_for, picker.block_size, fleet.max_model_len), server)
@@ -508,9 +511,10 @@ async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, por
             await health_server.stop(0)  # (a Watch there would otherwise hold the stop for the grace)
 
 
-def _grpc_server(kind: str, max_message_bytes: int, reuse_port: bool) -> GrpcServer | grpc.aio.Server:
+def _grpc_server(kind: str, max_message_bytes: int, reuse_port: bool,
+                 limits: ConnectionLimits | None = None) -> GrpcServer | grpc.aio.Server:
     if kind == "kvrouter":
-        return GrpcServer(max_message_bytes)
+        return GrpcServer(max_message_bytes, limits)
     options = [("grpc.max_receive_message_length", max_message_bytes),
                ("grpc.max_send_message_length", max_message_bytes)]
     if reuse_port:

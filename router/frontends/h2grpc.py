@@ -7,17 +7,39 @@ as they arrive, messages go to the stream's handler as ``bytes`` for the service
 the handlers answer within one turn of the event loop leaves in one write.
 
 What it implements (RFC 9113 and gRPC's HTTP/2 mapping, the server's part): the connection preface and SETTINGS,
-HPACK through the ``hpack`` library (the peer's dynamic table, Huffman), flow control both ways (a stream's
-received bytes are credited back while its handler keeps up, so a stalled handler holds at most a window;
-sends wait for the peer's window), PING, RST_STREAM both ways, GOAWAY for a graceful stop, gRPC's length-prefixed
-messages, trailers and trailers-only answers, SETTINGS_MAX_CONCURRENT_STREAMS (streams past it refused, so one
-connection holds a bounded number of windows). Handlers are registered as grpcio's generated code registers them
-(``add_registered_method_handlers``, ``add_generic_rpc_handlers``), so servicers written for grpc.aio run
-unchanged: unary-unary and stream-unary handlers, sync or async, and streaming-response ones that are async
-generators or coroutines sending with ``context.write`` (grpc_health's asyncio ``Watch``). Not implemented: TLS
-(the picker's port is plaintext, as grpc.aio's ``add_insecure_port`` was), message compression (refused with
-UNIMPLEMENTED; gRPC clients compress only when told), and synchronous streaming handlers (UNIMPLEMENTED: they
-would block the loop; grpc_health's synchronous servicer's ``Watch`` is one).
+HPACK through the ``hpack`` library (the peer's dynamic table, Huffman), flow control both ways, PING, RST_STREAM
+both ways, GOAWAY for a graceful stop, gRPC's length-prefixed messages, trailers and trailers-only answers,
+``grpc-timeout`` (the handler is cancelled and the stream ends DEADLINE_EXCEEDED when it passes; the handler sees
+it as ``context.time_remaining()``), SETTINGS_MAX_CONCURRENT_STREAMS (streams past it refused). Handlers are
+registered as grpcio's generated code registers them (``add_registered_method_handlers``,
+``add_generic_rpc_handlers``), so servicers written for grpc.aio run unchanged: unary-unary and stream-unary
+handlers, sync or async, and streaming-response ones that are async generators or coroutines sending with
+``context.write`` (grpc_health's asyncio ``Watch``).
+
+What one connection can make it hold, and where each bound comes from (issue 46 tried each as an attacker):
+
+- received data: a stream's window (``RECV_WINDOW``) is credited back while its handler keeps up, and the
+  connection's (``CONN_WINDOW``) as the handlers take messages or bytes are discarded, not as they arrive, so
+  stalled handlers on any number of streams hold one connection window in all. (A message being assembled for a
+  handler that waits on it is credited as it arrives: messages may be larger than the window.)
+- data to send: a handler's send waits while its stream has more than ``STREAM_WRITE_QUOTA`` queued (grpc-go's
+  write quota), so a peer that opens no window stops the handler, which stops taking messages, which stops the
+  credit above. Trailers wait behind the data.
+- control answers (PING and SETTINGS acks, RST_STREAM): while the socket is backed up, past
+  ``MAX_QUEUED_CONTROL`` of them reading stops until it drains (grpc-go; CVE-2019-9512, CVE-2019-9515), and PINGs
+  past grpc-core's ping strikes end the connection with ENHANCE_YOUR_CALM.
+- streams: ``MAX_STREAMS`` open at once; a connection that opened ``PREMATURE_RESET_STREAMS`` and reset at
+  least half of them before they were answered is closed with ENHANCE_YOUR_CALM (Envoy's premature-reset rule,
+  CVE-2023-44487). Headers: ``MAX_HEADER_LIST`` bytes and ``MAX_CONTINUATIONS`` CONTINUATION frames a block
+  (nghttp2's, CVE-2024-27316).
+- connections: the preface and first SETTINGS within ``handshake_timeout_s`` (grpc-go), GOAWAY and close after
+  ``idle_timeout_s`` without an open stream (Envoy's downstream idle timeout), at most ``max_connections`` open
+  (past it a new one is closed at once): ``ConnectionLimits``, the ``epp.*`` settings.
+
+Not implemented: TLS (the picker's port is plaintext, as grpc.aio's ``add_insecure_port`` was), message
+compression (refused with UNIMPLEMENTED; gRPC clients compress only when told), synchronous streaming handlers
+(UNIMPLEMENTED: they would block the loop; grpc_health's synchronous servicer's ``Watch`` is one), server-sent
+keepalive PINGs, and a bound on a message being assembled beyond ``max_message_bytes`` per stream.
 """
 
 from __future__ import annotations
@@ -29,6 +51,7 @@ import logging
 import struct
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -47,7 +70,7 @@ NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR, STREAM_CLOSED, FRA
 REFUSED_STREAM, CANCEL, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 7, 8, 9, 11
 
 RECV_WINDOW = 4 * 1024 * 1024  # what each stream may send ahead of its handler (grpc-core's BDP ceiling)
-CONN_WINDOW = 16 * 1024 * 1024  # what the connection may send ahead, all streams together
+CONN_WINDOW = 16 * 1024 * 1024  # what the connection may send ahead of its handlers, all streams together
 DEFAULT_WINDOW = 65535  # RFC 9113's initial window, until the peer's SETTINGS say otherwise
 MAX_WINDOW = 2**31 - 1
 DEFAULT_FRAME = 16384
@@ -55,13 +78,45 @@ MAX_HEADER_LIST = 64 * 1024  # decoded request headers per stream (grpc-core's d
 KNOWN_BLOCKS = 64  # header blocks kept decoded per connection (decode_header_block), each of at most
 KNOWN_BLOCK_BYTES = 1024  # bytes (Envoy's for a pick: about 100), so that a connection keeps at most 64 KiB
 MAX_STREAMS = 1024  # open streams per connection: with RECV_WINDOW, what one connection can make us hold
+STREAM_WRITE_QUOTA = 64 * 1024  # a stream's queued output past which its handler's send waits (grpc-go's
+#                                 defaultWriteQuota)
+MAX_QUEUED_CONTROL = 50  # control answers queued on a backed-up socket before reading stops (grpc-go's
+#                          maxQueuedTransportResponseFrames)
+MAX_PING_STRIKES = 2  # PINGs sooner than MIN_PING_INTERVAL_S after the last, with nothing sent between, past
+MIN_PING_INTERVAL_S = 300.0  # which the connection gets GOAWAY ENHANCE_YOUR_CALM (grpc-core's
+#                              max_ping_strikes and min_recv_ping_interval_without_data)
+PREMATURE_RESET_STREAMS = 500  # streams opened before the premature-reset rule applies (Envoy's
+#                                overload.premature_reset_total_stream_count)
+MAX_CONTINUATIONS = 8  # CONTINUATION frames one header block may take (nghttp2's default max_continuations)
+HANDSHAKE_TIMEOUT_S = 120.0  # the preface and first SETTINGS (grpc-go's connection timeout)
+IDLE_TIMEOUT_S = 3600.0  # without an open stream (Envoy's downstream idle_timeout)
+MAX_CONNECTIONS = 10000  # open at once (the picker's epp.max_connections)
 
 _FRAME = struct.Struct(">IBI")  # length (24 bits) and type, flags, stream id (31 bits)
 _PREFIX = struct.Struct(">BI")  # gRPC message: compressed flag, length
 _SETTING = struct.Struct(">HI")
 _U32 = struct.Struct(">I")
 
-OK, CANCELLED, UNKNOWN, INTERNAL, UNIMPLEMENTED, RESOURCE_EXHAUSTED = 0, 1, 2, 13, 12, 8
+OK, CANCELLED, UNKNOWN, DEADLINE_EXCEEDED, INTERNAL, UNIMPLEMENTED, RESOURCE_EXHAUSTED = 0, 1, 2, 4, 13, 12, 8
+_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """How long a connection may take to start and stay idle, and how many may be open (the ``epp.*`` keys)."""
+
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
+
+
+def grpc_timeout(value: str) -> float | None:
+    """Seconds of a ``grpc-timeout`` header (gRPC's HTTP/2 mapping: 1 to 8 ASCII digits, then H, M, S, m, u or
+    n); None for a malformed one, which grpc-core ignores too."""
+    digits, unit = value[:-1], value[-1:]
+    if 1 <= len(digits) <= 8 and digits.isascii() and digits.isdigit() and unit in _TIMEOUT_UNITS:
+        return int(digits) * _TIMEOUT_UNITS[unit]
+    return None
 
 
 def _frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
@@ -119,10 +174,11 @@ class ServicerContext:
         self.details: str | None = None
 
     async def write(self, message: Any) -> None:
-        """One response message out (queued: the connection sends it as the peer's window allows)."""
+        """One response message out: queued, the connection sends it as the peer's window allows, and this
+        waits while the stream has more than ``STREAM_WRITE_QUOTA`` queued (grpc.aio's write waits too)."""
         if self._serialize is None:
             raise RuntimeError("write() is for response-streaming handlers")
-        self._stream.conn.send_message(self._stream, self._serialize(message))
+        await self._stream.conn.send(self._stream, self._serialize(message))
 
     async def abort(self, code: Any, details: str = "", trailing_metadata: Any = ()) -> None:
         raise _Abort(_code_number(code), details)
@@ -141,7 +197,9 @@ class ServicerContext:
         return f"ipv4:{host}:{port}"
 
     def time_remaining(self) -> float | None:
-        return None
+        """Seconds left of the client's ``grpc-timeout``; None without one."""
+        deadline = self._stream.deadline
+        return None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
 
     def cancelled(self) -> bool:
         return self._stream.reset
@@ -183,6 +241,7 @@ class _Inbox:
             if self.ended:
                 raise StopAsyncIteration
             self.waiter = asyncio.get_running_loop().create_future()
+            self.stream.conn.release(self.stream)  # a message being assembled now has a taker: credit it
             try:
                 await self.waiter
             finally:
@@ -207,8 +266,9 @@ class _Inbox:
 
 
 class _Stream:
-    __slots__ = ("closed_local", "closed_remote", "conn", "headers", "headers_sent", "id", "inbox", "outq",
-                 "partial", "queued", "reset", "send_window", "task", "trailers", "unacked")
+    __slots__ = ("closed_local", "closed_remote", "conn", "deadline", "headers", "headers_sent", "held", "id",
+                 "inbox", "out_bytes", "outq", "partial", "queued", "reset", "send_window", "task", "timer",
+                 "trailers", "unacked", "writable")
 
     def __init__(self, conn: H2Connection, stream_id: int, headers: list[tuple[str, str]]) -> None:
         self.conn = conn
@@ -217,9 +277,14 @@ class _Stream:
         self.inbox: _Inbox | None = None
         self.partial = bytearray()  # received bytes of a message not yet whole
         self.queued = 0  # bytes of whole messages the handler has not taken yet
-        self.unacked = 0  # received bytes not yet credited back to the peer
+        self.unacked = 0  # received bytes not yet credited back to the peer's stream window
+        self.held = 0  # received bytes not yet credited back to the connection's window (H2Connection.release)
         self.send_window = conn.peer_initial_window
         self.outq: deque[bytes] = deque()  # DATA payloads waiting for the peer's window
+        self.out_bytes = 0  # their bytes
+        self.writable: asyncio.Future[None] | None = None  # the handler's send, waiting for out_bytes to fall
+        self.deadline: float | None = None  # the loop's time at which the client's grpc-timeout passes
+        self.timer: asyncio.TimerHandle | None = None  # ... and its call
         self.trailers: bytes | None = None  # sent once outq is empty
         self.headers_sent = False
         self.closed_local = self.closed_remote = self.reset = False
@@ -228,6 +293,7 @@ class _Stream:
     def consumed(self, nbytes: int) -> None:
         self.queued -= nbytes
         self.conn.credit(self)
+        self.conn.release(self)
 
 
 Handler = Any  # grpc.RpcMethodHandler: its flags, (de)serializers and one of its four behaviours
@@ -242,6 +308,7 @@ class H2Connection(asyncio.Protocol):
         self.peername: tuple[str, int] = ("", 0)
         self.buf = bytearray()
         self.preface_seen = False
+        self.settings_seen = False  # the client's first SETTINGS: the handshake is done
         self.decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
         self.known_blocks: dict[bytes, list[tuple[str, str]]] = {}  # decode_header_block's answers
         self.streams: dict[int, _Stream] = {}
@@ -249,12 +316,21 @@ class H2Connection(asyncio.Protocol):
         self.peer_initial_window = DEFAULT_WINDOW
         self.peer_max_frame = DEFAULT_FRAME
         self.send_window = DEFAULT_WINDOW
-        self.conn_unacked = 0
+        self.conn_unacked = 0  # bytes released (consumed or discarded) not yet credited back to the peer
+        self.conn_held = 0  # bytes received and held by streams (the sum of their ``held``)
         self.blocked: set[_Stream] = set()  # streams with data waiting for a window
-        self.continuing: tuple[int, int, bytearray] | None = None  # (stream, flags, block) of split HEADERS
+        # (stream, flags, block, CONTINUATION frames so far) of a header block split over frames
+        self.continuing: tuple[int, int, bytearray, int] | None = None
         self.out: list[bytes] = []
         self.flush_scheduled = False
         self.write_paused = False
+        self.read_paused = False  # by us: too many control answers queued on a backed-up socket
+        self.control_queued = 0  # control answers written while the socket is backed up
+        self.ping_strikes = 0
+        self.last_ping = -MIN_PING_INTERVAL_S  # the loop's time of the last PING, after the last thing we sent
+        self.opened = self.premature_resets = 0  # streams, and those the client reset before any answer
+        self.idle_since: float | None = None  # the loop's time the last stream closed; None while one is open
+        self.timer: asyncio.TimerHandle | None = None  # the handshake's, then the idle timeout's
         self.draining = False
         self.closed = False
 
@@ -263,7 +339,15 @@ class H2Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.peername = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else ("", 0)
+        limits = self.server.limits
+        if len(self.server.connections) >= limits.max_connections:
+            self.closed = True
+            transport.close()  # before any byte: the client's connect fails, and it backs off as for a refusal
+            return
         self.server.connections.add(self)
+        loop = asyncio.get_running_loop()
+        self.idle_since = loop.time()
+        self.timer = loop.call_later(limits.handshake_timeout_s, self._handshake_expired)
         settings = b"".join(_SETTING.pack(k, v) for k, v in (
             (S_MAX_CONCURRENT_STREAMS, MAX_STREAMS), (S_INITIAL_WINDOW_SIZE, RECV_WINDOW),
             (S_MAX_FRAME_SIZE, DEFAULT_FRAME), (S_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST)))
@@ -273,8 +357,12 @@ class H2Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
         self.server.connections.discard(self)
         for stream in list(self.streams.values()):
+            if stream.timer is not None:
+                stream.timer.cancel()
             self._cancel(stream)
         self.streams.clear()
         self.server.stream_ended()
@@ -284,15 +372,33 @@ class H2Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        self.control_queued = 0
         for stream in list(self.blocked):
             self._pump(stream)
         self.flush()
+        if self.read_paused and not self.closed and self.transport is not None:
+            self.read_paused = False
+            self.transport.resume_reading()
+            self._frames_in()  # what was left unread when reading stopped
 
     def write(self, data: bytes) -> None:
         self.out.append(data)
         if not self.flush_scheduled:
             self.flush_scheduled = True
             asyncio.get_running_loop().call_soon(self.flush)
+
+    def _control(self, frame: bytes) -> None:
+        """An answer the peer's own frames ask for. While the socket is backed up they count, and past
+        ``MAX_QUEUED_CONTROL`` reading stops until it drains: a peer that sends and never reads gets no more
+        answered than that (grpc-go throttles its reader the same way; CVE-2019-9512, CVE-2019-9515)."""
+        self.out.append(frame)
+        if len(self.out) > MAX_QUEUED_CONTROL:
+            self.flush()  # (so that the transport says it is backed up before a whole read is answered)
+        if self.write_paused:
+            self.control_queued += 1
+            if self.control_queued > MAX_QUEUED_CONTROL and not self.read_paused and self.transport is not None:
+                self.read_paused = True
+                self.transport.pause_reading()
 
     def flush(self) -> None:
         self.flush_scheduled = False
@@ -301,20 +407,52 @@ class H2Connection(asyncio.Protocol):
             self.out.clear()
             self.transport.write(data)
 
+    def _hang_up(self) -> None:
+        """Close once what was written is sent; a peer that has left it unread is not waited for."""
+        self.closed = True
+        if self.transport is not None:
+            if self.transport.get_write_buffer_size():
+                self.transport.abort()
+            else:
+                self.transport.close()
+
     def _connection_error(self, code: int, why: str) -> None:
         log.warning("HTTP/2 connection from %s:%s closed: %s", *self.peername, why)
         self.out.append(_frame(GOAWAY, 0, 0, _U32.pack(self.last_stream) + _U32.pack(code) + why.encode()[:200]))
         self.flush()
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
+        self._hang_up()
+
+    def _handshake_expired(self) -> None:
+        if not self.settings_seen and not self.closed:
+            log.info("HTTP/2 connection from %s:%s closed: no preface and SETTINGS in %ss", *self.peername,
+                     self.server.limits.handshake_timeout_s)
+            self._hang_up()  # as grpc-go: no GOAWAY for a peer that has not spoken HTTP/2
+
+    def _idle_check(self) -> None:
+        """Envoy's idle timeout: a connection without an open stream for ``idle_timeout_s`` gets GOAWAY
+        NO_ERROR and is closed. One timer a connection, moved on (not re-armed per stream)."""
+        if self.closed:
+            return
+        loop = asyncio.get_running_loop()
+        timeout = self.server.limits.idle_timeout_s
+        since = self.idle_since
+        if since is None or self.streams:
+            self.timer = loop.call_later(timeout, self._idle_check)
+        elif loop.time() - since >= timeout:
+            log.info("HTTP/2 connection from %s:%s idle for %ss: GOAWAY", *self.peername, timeout)
+            self.goaway()  # (no stream is open: it closes at once)
+        else:
+            self.timer = loop.call_at(since + timeout, self._idle_check)
 
     # ---- frames in --------------------------------------------------------------------------------
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
+        self.buf += data
+        self._frames_in()
+
+    def _frames_in(self) -> None:
         buf = self.buf
-        buf += data
         pos = 0
         if not self.preface_seen:
             if len(buf) < len(PREFACE):
@@ -327,7 +465,7 @@ class H2Connection(asyncio.Protocol):
             self.preface_seen = True
             pos = len(PREFACE)
         end = len(buf)
-        while end - pos >= 9 and not self.closed:
+        while end - pos >= 9 and not self.closed and not self.read_paused:
             lt, flags, sid = _FRAME.unpack_from(buf, pos)
             length, ftype = lt >> 8, lt & 0xFF
             if length > DEFAULT_FRAME:
@@ -345,37 +483,34 @@ class H2Connection(asyncio.Protocol):
         if self.continuing is not None and ftype != CONTINUATION:
             self._connection_error(PROTOCOL_ERROR, "a header block interrupted")
             return
+        if not self.settings_seen:  # RFC 9113 3.4: the preface is followed by SETTINGS
+            if ftype != SETTINGS or flags & ACK:
+                self._connection_error(PROTOCOL_ERROR, "the preface is not followed by SETTINGS")
+                return
+            self.settings_seen = True
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer = asyncio.get_running_loop().call_later(self.server.limits.idle_timeout_s, self._idle_check)
         if ftype == DATA:
             self._data(flags, sid, payload)
         elif ftype == HEADERS:
             self._headers(flags, sid, payload)
         elif ftype == CONTINUATION:
-            if self.continuing is None or self.continuing[0] != sid:
-                self._connection_error(PROTOCOL_ERROR, "CONTINUATION without HEADERS")
-                return
-            block = self.continuing[2]
-            block += payload
-            if len(block) > MAX_HEADER_LIST:
-                self._connection_error(ENHANCE_YOUR_CALM, "header block over the limit")
-            elif flags & END_HEADERS:
-                _, first_flags, _ = self.continuing
-                self.continuing = None
-                self._header_block(first_flags, sid, bytes(block))
+            self._continuation(flags, sid, payload)
         elif ftype == SETTINGS:
             self._settings(flags, sid, payload)
         elif ftype == WINDOW_UPDATE:
             self._window_update(sid, payload)
         elif ftype == PING:
-            if len(payload) != 8 or sid != 0:
-                self._connection_error(PROTOCOL_ERROR if sid else FRAME_SIZE_ERROR, "malformed PING")
-            elif not flags & ACK:
-                self.out.append(_frame(PING, ACK, 0, payload))
+            self._ping(flags, sid, payload)
         elif ftype == RST_STREAM:
-            stream = self.streams.pop(sid, None)
+            stream = self.streams.get(sid)
             if stream is not None:
                 stream.reset = True
                 self._cancel(stream)
-                self.server.stream_ended()
+                self._forget(stream)
+                if not stream.headers_sent:
+                    self._premature_reset()
         elif ftype == GOAWAY:
             self.draining = True  # the peer opens no more streams here; ours finish
             self._close_if_idle()
@@ -383,33 +518,88 @@ class H2Connection(asyncio.Protocol):
             self._connection_error(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
         # PRIORITY and unknown frame types are ignored (RFC 9113 5.5)
 
+    def _ping(self, flags: int, sid: int, payload: bytes) -> None:
+        """Answered, unless they come faster than grpc-core allows: more than ``MAX_PING_STRIKES`` sooner than
+        ``MIN_PING_INTERVAL_S`` after the last with nothing sent between (DATA and trailers clear the strikes)."""
+        if len(payload) != 8 or sid != 0:
+            self._connection_error(PROTOCOL_ERROR if sid else FRAME_SIZE_ERROR, "malformed PING")
+            return
+        if flags & ACK:
+            return
+        now = asyncio.get_running_loop().time()
+        if now - self.last_ping < MIN_PING_INTERVAL_S:
+            self.ping_strikes += 1
+            if self.ping_strikes > MAX_PING_STRIKES:
+                self._connection_error(ENHANCE_YOUR_CALM, "too_many_pings")  # grpc-core's debug data
+                return
+        self.last_ping = now
+        self._control(_frame(PING, ACK, 0, payload))
+
+    def _sent_something(self) -> None:
+        """grpc-core's: a peer that has been sent DATA or trailers may ping again (the strikes start over)."""
+        self.ping_strikes = 0
+        self.last_ping = -MIN_PING_INTERVAL_S
+
+    def _premature_reset(self) -> None:
+        """Envoy's rule against rapid reset (CVE-2023-44487): once ``PREMATURE_RESET_STREAMS`` streams were
+        opened, a connection that reset at least half of them before any answer is closed."""
+        self.premature_resets += 1
+        if self.opened >= PREMATURE_RESET_STREAMS and self.premature_resets * 2 >= self.opened:
+            self._connection_error(ENHANCE_YOUR_CALM, "too_many_premature_resets")
+
+    def _padded(self, payload: bytes, start: int) -> bytes | None:
+        """What a PADDED frame carries after ``start`` (its pad length byte and any priority fields), or None
+        (and a connection error, RFC 9113 6.1 and 6.2) when the padding leaves no room for it."""
+        if not payload or payload[0] > len(payload) - start:
+            self._connection_error(PROTOCOL_ERROR, "padding as long as the frame")
+            return None
+        return payload[start : len(payload) - payload[0]]
+
     def _headers(self, flags: int, sid: int, payload: bytes) -> None:
         if sid == 0:
             self._connection_error(PROTOCOL_ERROR, "HEADERS on stream 0")
             return
-        start = 0
+        start = 5 if flags & PRIORITY_FLAG else 0
         if flags & PADDED:
-            start, payload = 1, payload[: len(payload) - payload[0]] if payload else b""
-        if flags & PRIORITY_FLAG:
-            start += 5
-        block = payload[start:]
+            block = self._padded(payload, start + 1)
+            if block is None:
+                return
+        else:
+            block = payload[start:]
         if flags & END_HEADERS:
             self._header_block(flags, sid, block)
         else:
-            self.continuing = (sid, flags, bytearray(block))
+            self.continuing = (sid, flags, bytearray(block), 0)
+
+    def _continuation(self, flags: int, sid: int, payload: bytes) -> None:
+        if self.continuing is None or self.continuing[0] != sid:
+            self._connection_error(PROTOCOL_ERROR, "CONTINUATION without HEADERS")
+            return
+        _, first_flags, block, count = self.continuing
+        block += payload
+        if len(block) > MAX_HEADER_LIST:
+            self._connection_error(ENHANCE_YOUR_CALM, "header block over the limit")
+        elif flags & END_HEADERS:
+            self.continuing = None
+            self._header_block(first_flags, sid, bytes(block))
+        elif count + 1 >= MAX_CONTINUATIONS:  # (empty ones add nothing to the block: CVE-2024-27316)
+            self._connection_error(ENHANCE_YOUR_CALM, f"over {MAX_CONTINUATIONS} CONTINUATION frames a block")
+        else:
+            self.continuing = (sid, first_flags, block, count + 1)
 
     def decode_header_block(self, block: bytes) -> list[tuple[str, str]]:
         """The block's fields. A gateway sends every pick's stream the same block (its fields indexed, its
         ``:path`` a literal kept out of the table), and hpack decodes in Python: a block that left the
-        dynamic table as it found it is kept, and answered again while the table stays as it is (any block
-        that changes the table forgets them all)."""
+        dynamic table as it found it (its entries and its size, which a block may change at its start,
+        RFC 7541 4.2) is kept, and answered again while the table stays as it is (any block that changes
+        the table forgets them all)."""
         known = self.known_blocks.get(block)
         if known is not None:
             return known
         table = self.decoder.header_table
-        before = tuple(table.dynamic_entries)
+        before = (table.maxsize, tuple(table.dynamic_entries))
         fields = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.decoder.decode(block, raw=True)]
-        if tuple(table.dynamic_entries) != before:
+        if (table.maxsize, tuple(table.dynamic_entries)) != before:
             self.known_blocks.clear()
         elif len(self.known_blocks) < KNOWN_BLOCKS and len(block) <= KNOWN_BLOCK_BYTES:
             self.known_blocks[block] = fields
@@ -432,9 +622,11 @@ class H2Connection(asyncio.Protocol):
             return  # a stream we closed: its late frames are ignored
         self.last_stream = sid
         if self.draining or self.server.stopping or len(self.streams) >= MAX_STREAMS:
-            self.out.append(_frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))  # the client retries
+            self._control(_frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))  # the client retries
             return
         stream = self.streams[sid] = _Stream(self, sid, fields)
+        self.opened += 1
+        self.idle_since = None
         headers = dict(fields)
         handler = self.server.handler_for(headers.get(":path", ""), stream)
         if headers.get(":method") != "POST" or not headers.get("content-type", "").startswith("application/grpc"):
@@ -442,28 +634,46 @@ class H2Connection(asyncio.Protocol):
         elif handler is None:
             self._finish(stream, UNIMPLEMENTED, f"unknown method {headers.get(':path', '')[:200]}")
         else:
+            loop = asyncio.get_running_loop()
+            timeout = headers.get("grpc-timeout")
+            seconds = None if timeout is None else grpc_timeout(timeout)
+            if seconds is not None:
+                stream.deadline = loop.time() + seconds
+                stream.timer = loop.call_at(stream.deadline, self._deadline_passed, stream)
             stream.inbox = _Inbox(stream, handler.request_deserializer)
-            stream.task = asyncio.get_running_loop().create_task(self._run(stream, handler))
+            stream.task = loop.create_task(self._run(stream, handler))
         if flags & END_STREAM:
             self._remote_end(stream)
 
+    def _deadline_passed(self, stream: _Stream) -> None:
+        stream.timer = None
+        if stream.id in self.streams:
+            self._finish(stream, DEADLINE_EXCEEDED, "Deadline Exceeded")  # (and its handler is cancelled)
+
     def _data(self, flags: int, sid: int, payload: bytes) -> None:
-        size = len(payload)
-        self.conn_unacked += size  # every DATA frame counts against the connection's window, any stream's
-        if self.conn_unacked >= CONN_WINDOW // 2:
-            self.out.append(_frame(WINDOW_UPDATE, 0, 0, _U32.pack(self.conn_unacked)))
-            self.conn_unacked = 0
+        size = len(payload)  # what counts against the windows, padding included
+        if flags & PADDED:
+            data = self._padded(payload, 1)
+            if data is None:
+                return
+        else:
+            data = payload
         stream = self.streams.get(sid)
         if stream is None or stream.closed_remote:
             if sid == 0 or sid > self.last_stream:
                 self._connection_error(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
-            return  # on a stream already closed: dropped
-        if flags & PADDED:
-            payload = payload[1 : len(payload) - payload[0]] if payload else b""
+                return
+            self._conn_credit(size)  # on a stream already closed: dropped
+            return
         stream.unacked += size
-        if stream.inbox is not None:
+        if stream.inbox is None or stream.trailers is not None:
+            self._conn_credit(size)  # answered already: nobody takes it
+        else:
+            self._conn_credit(size - len(data))  # the padding
+            stream.held += len(data)
+            self.conn_held += len(data)
             part = stream.partial
-            part += payload
+            part += data
             max_message = self.server.max_message_bytes
             while len(part) >= 5:
                 compressed, length = _PREFIX.unpack_from(part, 0)
@@ -480,17 +690,39 @@ class H2Connection(asyncio.Protocol):
                 del part[: 5 + length]
                 stream.queued += 5 + length
                 stream.inbox.put(message)
+            self.release(stream)
         self.credit(stream)
         if flags & END_STREAM:
             self._remote_end(stream)
 
     def credit(self, stream: _Stream) -> None:
-        """Give the peer back the window of what it sent, while the handler keeps up with it: a stream whose
-        handler stalls gets no more than a window ahead."""
+        """Give the peer back the stream window of what it sent, while the handler keeps up with it: a stream
+        whose handler stalls gets no more than a window ahead."""
         if (stream.unacked >= RECV_WINDOW // 4 and stream.queued <= RECV_WINDOW // 2 and not stream.closed_remote
                 and stream.id in self.streams):
             self.write(_frame(WINDOW_UPDATE, 0, stream.id, _U32.pack(stream.unacked)))
             stream.unacked = 0
+
+    def release(self, stream: _Stream) -> None:
+        """Give the connection's window back for what the stream no longer needs to hold: it keeps the whole
+        messages its handler has not taken, and a message being assembled unless its handler waits for it (a
+        message may be larger than the window). So handlers that stall, on any number of streams, hold at
+        most one connection window in all."""
+        inbox = stream.inbox
+        keep = stream.queued + (0 if inbox is not None and inbox.waiter is not None else len(stream.partial))
+        excess = stream.held - keep
+        if excess > 0:
+            stream.held -= excess
+            self.conn_held -= excess
+            self._conn_credit(excess)
+
+    def _conn_credit(self, nbytes: int) -> None:
+        """Bytes consumed or discarded: credited to the connection's window in batches, sooner while streams
+        hold much of it (so that what is left open never waits on a batch)."""
+        self.conn_unacked += nbytes
+        if self.conn_unacked >= max(DEFAULT_FRAME, (CONN_WINDOW - self.conn_held) // 2):
+            self.write(_frame(WINDOW_UPDATE, 0, 0, _U32.pack(self.conn_unacked)))
+            self.conn_unacked = 0
 
     def _remote_end(self, stream: _Stream) -> None:
         stream.closed_remote = True
@@ -510,10 +742,12 @@ class H2Connection(asyncio.Protocol):
         for off in range(0, len(payload), 6):
             key, value = _SETTING.unpack_from(payload, off)
             if key == S_INITIAL_WINDOW_SIZE:
-                if value > MAX_WINDOW:
-                    self._connection_error(FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE over 2^31-1")
+                delta = value - self.peer_initial_window
+                if value > MAX_WINDOW or any(s.send_window + delta > MAX_WINDOW for s in self.streams.values()):
+                    # RFC 9113 6.5.2 and 6.9.2: a connection error either way
+                    self._connection_error(FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE overflows a window")
                     return
-                delta, self.peer_initial_window = value - self.peer_initial_window, value
+                self.peer_initial_window = value
                 for stream in self.streams.values():
                     stream.send_window += delta
             elif key == S_MAX_FRAME_SIZE:
@@ -521,7 +755,7 @@ class H2Connection(asyncio.Protocol):
                     self._connection_error(PROTOCOL_ERROR, "SETTINGS_MAX_FRAME_SIZE out of range")
                     return
                 self.peer_max_frame = value
-        self.out.append(_frame(SETTINGS, ACK, 0))
+        self._control(_frame(SETTINGS, ACK, 0))
         for stream in list(self.blocked):
             self._pump(stream)
 
@@ -539,7 +773,15 @@ class H2Connection(asyncio.Protocol):
                 self._pump(stream)
             return
         stream = self.streams.get(sid)
-        if stream is not None:
+        if stream is None:
+            if sid > self.last_stream:  # RFC 9113 5.1: only HEADERS and PRIORITY on an idle stream
+                self._connection_error(PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {sid}")
+            return
+        if inc == 0:  # RFC 9113 6.9 and 6.9.1: stream errors
+            self._reset_stream(stream, PROTOCOL_ERROR)
+        elif stream.send_window + inc > MAX_WINDOW:
+            self._reset_stream(stream, FLOW_CONTROL_ERROR)
+        else:
             stream.send_window += inc
             self._pump(stream)
 
@@ -561,7 +803,7 @@ class H2Connection(asyncio.Protocol):
                     await method(request, ctx)
                 else:
                     async for reply in method(request, ctx):
-                        self.send_message(stream, serialize(reply))
+                        await self.send(stream, serialize(reply))
             else:
                 reply = (handler.stream_unary(inbox, ctx) if handler.request_streaming
                          else handler.unary_unary(await inbox.single(), ctx))
@@ -573,13 +815,24 @@ class H2Connection(asyncio.Protocol):
         except _Abort as e:
             code, details = e.code, e.details
         except asyncio.CancelledError:
-            if stream.reset or self.closed:
-                return  # the peer cancelled it, or the connection is gone: nobody to answer
+            if stream.reset or self.closed or stream.trailers is not None:
+                return  # the peer cancelled it, the connection is gone, or it was answered (a limit, a deadline)
             raise
         except Exception:
             log.exception("gRPC handler for %s failed", dict(stream.headers).get(":path"))
             code, details = UNKNOWN, "Unexpected error in the handler"
         self._finish(stream, code, details)
+
+    async def send(self, stream: _Stream, message: bytes) -> None:
+        """A streaming handler's message out; waits while the stream has over ``STREAM_WRITE_QUOTA`` queued,
+        so a peer that opens no window stops the handler (and with it the credit for what it sends)."""
+        self.send_message(stream, message)
+        while stream.out_bytes > STREAM_WRITE_QUOTA and stream.id in self.streams and not self.closed:
+            stream.writable = asyncio.get_running_loop().create_future()
+            try:
+                await stream.writable
+            finally:
+                stream.writable = None
 
     def send_message(self, stream: _Stream, message: bytes) -> None:
         """One gRPC message out (the response headers first, once)."""
@@ -589,6 +842,7 @@ class H2Connection(asyncio.Protocol):
             stream.headers_sent = True
             self.write(_frame(HEADERS, END_HEADERS, stream.id, _RESPONSE_HEADERS))
         stream.outq.append(_PREFIX.pack(0, len(message)) + message)
+        stream.out_bytes += 5 + len(message)
         self._pump(stream)
 
     def _finish(self, stream: _Stream, code: int, details: str | None) -> None:
@@ -601,7 +855,7 @@ class H2Connection(asyncio.Protocol):
         else:
             stream.trailers = _trailers(code, details)
         if stream.task is not None and code != OK and stream.task is not asyncio.current_task():
-            self._cancel(stream)  # refused by the connection (a limit, a malformed message): its handler stops
+            self._cancel(stream)  # refused by the connection (a limit, a deadline, a malformed message)
         self._pump(stream)
 
     def _pump(self, stream: _Stream) -> None:
@@ -619,13 +873,19 @@ class H2Connection(asyncio.Protocol):
                 q.popleft()
             stream.send_window -= len(chunk)
             self.send_window -= len(chunk)
+            stream.out_bytes -= len(chunk)
+            self._sent_something()
             self.write(_frame(DATA, 0, stream.id, chunk))
+        writable = stream.writable
+        if writable is not None and stream.out_bytes <= STREAM_WRITE_QUOTA and not writable.done():
+            writable.set_result(None)
         if q:
             self.blocked.add(stream)
             return
         self.blocked.discard(stream)
         if stream.trailers is not None and not stream.closed_local:
             stream.closed_local = True
+            self._sent_something()
             self.write(_frame(HEADERS, END_HEADERS | END_STREAM, stream.id, stream.trailers))
             if not stream.closed_remote:  # answered before the client finished sending: it may stop
                 self.write(_frame(RST_STREAM, 0, stream.id, _U32.pack(NO_ERROR)))
@@ -634,9 +894,32 @@ class H2Connection(asyncio.Protocol):
 
     def _maybe_close(self, stream: _Stream) -> None:
         if stream.closed_local and stream.closed_remote:
-            self.streams.pop(stream.id, None)
+            self._forget(stream)
             self._close_if_idle()
-            self.server.stream_ended()
+
+    def _reset_stream(self, stream: _Stream, code: int) -> None:
+        """A stream error (RFC 9113 5.4.2): RST_STREAM, and the stream is gone."""
+        self._control(_frame(RST_STREAM, 0, stream.id, _U32.pack(code)))
+        stream.reset = stream.closed_local = stream.closed_remote = True
+        self._cancel(stream)
+        self._forget(stream)
+
+    def _forget(self, stream: _Stream) -> None:
+        """A stream closed: its timer, the connection window it held, a send waiting on it."""
+        if self.streams.pop(stream.id, None) is None:
+            return
+        self.blocked.discard(stream)
+        if stream.timer is not None:
+            stream.timer.cancel()
+        if stream.held:
+            self.conn_held -= stream.held
+            self._conn_credit(stream.held)
+            stream.held = 0
+        if stream.writable is not None and not stream.writable.done():
+            stream.writable.set_result(None)
+        if not self.streams:
+            self.idle_since = asyncio.get_running_loop().time()
+        self.server.stream_ended()
 
     def _cancel(self, stream: _Stream) -> None:
         self.blocked.discard(stream)
@@ -644,9 +927,9 @@ class H2Connection(asyncio.Protocol):
             stream.task.cancel()
 
     def _close_if_idle(self) -> None:
-        if self.draining and not self.streams and self.transport is not None:
+        if self.draining and not self.streams and self.transport is not None and not self.closed:
             self.flush()
-            self.transport.close()
+            self._hang_up()
 
     def goaway(self) -> None:
         """A graceful stop: no new streams; the open ones finish (the peer opens its next ones elsewhere)."""
@@ -665,8 +948,9 @@ class _CallDetails(grpc.HandlerCallDetails):
 class GrpcServer:
     """gRPC over ``H2Connection``: register servicers with grpcio's generated ``add_*_to_server``."""
 
-    def __init__(self, max_message_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, max_message_bytes: int = 64 * 1024 * 1024, limits: ConnectionLimits | None = None) -> None:
         self.max_message_bytes = max_message_bytes
+        self.limits = limits or ConnectionLimits()
         self.methods: dict[str, Handler] = {}
         self.generic: list[Any] = []  # grpc.GenericRpcHandler: asked for methods not registered by name
         self.connections: set[H2Connection] = set()
