@@ -64,8 +64,8 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
 END_STREAM = ACK = 0x1
 END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
-S_HEADER_TABLE_SIZE, S_MAX_CONCURRENT_STREAMS, S_INITIAL_WINDOW_SIZE, S_MAX_FRAME_SIZE, S_MAX_HEADER_LIST_SIZE = (
-    1, 3, 4, 5, 6)
+S_HEADER_TABLE_SIZE, S_ENABLE_PUSH, S_MAX_CONCURRENT_STREAMS, S_INITIAL_WINDOW_SIZE, S_MAX_FRAME_SIZE = 1, 2, 3, 4, 5
+S_MAX_HEADER_LIST_SIZE = 6
 NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR, STREAM_CLOSED, FRAME_SIZE_ERROR = 0, 1, 2, 3, 5, 6
 REFUSED_STREAM, CANCEL, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 7, 8, 9, 11
 
@@ -267,8 +267,8 @@ class _Inbox:
 
 class _Stream:
     __slots__ = ("closed_local", "closed_remote", "conn", "deadline", "headers", "headers_sent", "held", "id",
-                 "inbox", "out_bytes", "outq", "partial", "queued", "reset", "send_window", "task", "timer",
-                 "trailers", "unacked", "writable")
+                 "inbox", "out_bytes", "outq", "partial", "peer_ended", "queued", "reset", "send_window", "task",
+                 "timer", "trailers", "unacked", "writable")
 
     def __init__(self, conn: H2Connection, stream_id: int, headers: list[tuple[str, str]]) -> None:
         self.conn = conn
@@ -288,6 +288,9 @@ class _Stream:
         self.trailers: bytes | None = None  # sent once outq is empty
         self.headers_sent = False
         self.closed_local = self.closed_remote = self.reset = False
+        # the client's END_STREAM came (closed_remote is also set when we reset its sending side after answering,
+        # and frames after our RST_STREAM are ignored, RFC 9113 5.1; after its own END_STREAM they are an error)
+        self.peer_ended = False
         self.task: asyncio.Task[None] | None = None
 
     def consumed(self, nbytes: int) -> None:
@@ -613,7 +616,9 @@ class H2Connection(asyncio.Protocol):
             return
         stream = self.streams.get(sid)
         if stream is not None:  # the request's trailers
-            if flags & END_STREAM:
+            if stream.peer_ended:  # after its END_STREAM: RFC 9113 5.1, a stream error
+                self._reset_stream(stream, STREAM_CLOSED)
+            elif flags & END_STREAM:
                 self._remote_end(stream)
             return
         if sid <= self.last_stream or sid % 2 == 0:
@@ -659,6 +664,10 @@ class H2Connection(asyncio.Protocol):
         else:
             data = payload
         stream = self.streams.get(sid)
+        if stream is not None and stream.peer_ended:  # half-closed (remote): RFC 9113 5.1, a stream error
+            self._conn_credit(size)
+            self._reset_stream(stream, STREAM_CLOSED)
+            return
         if stream is None or stream.closed_remote:
             if sid == 0 or sid > self.last_stream:
                 self._connection_error(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
@@ -725,7 +734,7 @@ class H2Connection(asyncio.Protocol):
             self.conn_unacked = 0
 
     def _remote_end(self, stream: _Stream) -> None:
-        stream.closed_remote = True
+        stream.closed_remote = stream.peer_ended = True
         if stream.inbox is not None:
             if stream.partial:
                 self._finish(stream, INTERNAL, "the stream ended inside a message")
@@ -738,9 +747,14 @@ class H2Connection(asyncio.Protocol):
             self._connection_error(PROTOCOL_ERROR if sid else FRAME_SIZE_ERROR, "malformed SETTINGS")
             return
         if flags & ACK:
+            if payload:  # RFC 9113 6.5
+                self._connection_error(FRAME_SIZE_ERROR, "a SETTINGS ACK with a payload")
             return
         for off in range(0, len(payload), 6):
             key, value = _SETTING.unpack_from(payload, off)
+            if key == S_ENABLE_PUSH and value > 1:  # RFC 9113 6.5.2
+                self._connection_error(PROTOCOL_ERROR, "SETTINGS_ENABLE_PUSH other than 0 or 1")
+                return
             if key == S_INITIAL_WINDOW_SIZE:
                 delta = value - self.peer_initial_window
                 if value > MAX_WINDOW or any(s.send_window + delta > MAX_WINDOW for s in self.streams.values()):
