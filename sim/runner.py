@@ -23,7 +23,7 @@ from router.events.codec import EventBatch
 from router.heap import rare_collections
 from router.keys import chain_keys
 from router.scheduling import Decision, Endpoint, RouteRequest, RoutingConfig, RoutingCore
-from router.scheduling.flow import FlowParams, FlowQueue, Queued
+from router.scheduling.flow import FlowParams, FlowQueue, Queued, saturated
 from router.scheduling.slo import NO_OBJECTIVE, ServiceObjective
 from sim.oracle import sim_routing
 from sim.workload import SimRequest
@@ -262,7 +262,7 @@ class Simulation:
             rec.outcome, rec.worker = decision.outcome, None
             return False
         flow = self.flow
-        if flow is not None and (flow.waiting_at_or_above(r.objective.priority) or self._saturated(decision)):
+        if flow is not None and (flow.waiting_at_or_above(r.objective.priority) or self._saturated(r, decision)):
             rec.worker = None
             if flow.push(Queued(r.request_id, now, len(tokens) + r.output_len, r.objective, r.tenant, (r, tokens))):
                 return True
@@ -270,11 +270,11 @@ class Simulation:
             return False
         return self._dispatch(r, tokens, rr, decision, rec, now)
 
-    def _saturated(self, decision: Decision) -> bool:
-        """Flow control's saturation detector: the chosen worker would make the request queue in the engine."""
+    def _saturated(self, r: SimRequest, decision: Decision) -> bool:
+        """Flow control's saturation detector (router/scheduling/flow.py) on the chosen worker's predictions."""
         assert self.flow is not None and decision.chosen is not None
         chosen = decision.report(decision.chosen)
-        return chosen is not None and chosen.queue_s > self.flow.params.saturation_queue_s
+        return chosen is not None and saturated(self.flow.params, r.objective, chosen.queue_s, chosen.ttft_s)
 
     def _release_held(self, now: float) -> int:
         """Dispatch held requests while the fleet has room (highest priority first, tenants in turn), after
@@ -294,7 +294,7 @@ class Simulation:
                 rec.outcome = decision.outcome
                 ended += 1
                 continue
-            if self._saturated(decision):
+            if self._saturated(r, decision):
                 break
             flow.pop(item)
             rec.worker = decision.chosen

@@ -48,7 +48,7 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
         a1.plot(x, [r["interactive_attainment"] for r in rows], marker="o", label=policy)
         a2.plot(x, [r["goodput_rps"] for r in rows], marker="o", label=policy)
     a1.set_xlabel("offered load (x the fleet's capacity)")
-    a1.set_ylabel("interactive requests meeting TTFT 300 ms and TPOT 50 ms")
+    a1.set_ylabel("interactive attainment (TTFT 300 ms, TPOT 50 ms)")
     a2.set_xlabel("offered load (x the fleet's capacity)")
     a2.set_ylabel("goodput (requests/s meeting their objective)")
     for a in (a1, a2):

@@ -34,8 +34,9 @@ class FlowParams:
     """``flow_control:`` in the router's config (off by default: the router dispatches every request at once)."""
 
     enabled: bool = False
-    # hold a request while the worker the objective would choose is predicted to make it wait longer than this
-    # before its prefill starts (one engine step's order: the router releases on the engine's own step ends)
+    # hold a request without a TTFT target while the worker the objective would choose is predicted to make it
+    # wait longer than this before its prefill starts (one engine step's order: the router releases on the
+    # engines' step ends); one with a target, while it would miss it there (``saturated``)
     saturation_queue_s: float = 0.05
     queue_timeout_s: float = 60.0  # the longest a request waits here; then a 429 with Retry-After
     # a sheddable request (priority < 0) with a TTFT target leaves as soon as it has waited that long: it can no
@@ -50,6 +51,17 @@ class FlowParams:
             raise ValueError("flow_control: saturation_queue_s >= 0, queue_timeout_s > 0 and max_queued > 0")
         if self.quantum_tokens <= 0 or any(w <= 0 for w in self.tenant_weights.values()):
             raise ValueError("flow_control: quantum_tokens and every tenant weight must be positive")
+
+
+def saturated(params: FlowParams, objective: ServiceObjective, queue_s: float, ttft_s: float) -> bool:
+    """Whether to hold a request whose chosen worker is predicted to make it wait ``queue_s`` before its
+    prefill and to give its first token after ``ttft_s``. With a TTFT target: once it would miss it there anyway
+    (sending it would only lengthen that engine's queue for the requests behind it, and holding it lets the
+    queue's order pick who goes next). Without one: once it would wait in the engine more than
+    ``saturation_queue_s``, so that the engines' queues stay short for the requests that have targets."""
+    if objective.ttft_s is not None:
+        return ttft_s > objective.ttft_s
+    return queue_s > params.saturation_queue_s
 
 
 @dataclass(eq=False)
@@ -210,4 +222,4 @@ def parse_flow_params(raw: Mapping[str, Any] | None) -> FlowParams:
     return FlowParams(**values)
 
 
-__all__ = ["FlowParams", "FlowQueue", "Queued", "parse_flow_params"]
+__all__ = ["FlowParams", "FlowQueue", "Queued", "parse_flow_params", "saturated"]
