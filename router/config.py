@@ -23,6 +23,7 @@ import yaml
 from router.discovery import WorkerSpec, parse_worker_arg
 from router.discovery.static import _spec
 from router.scheduling import CostParams, RoutingConfig, SchedulingConfig
+from router.scheduling.flow import FlowParams, parse_flow_params
 from router.scheduling.profiles import ProfileError, build_profile, parse_scheduling
 from router.scheduling.slo import ObjectiveError, SloConfig, parse_slo_config
 from router.tokenizer import DEFAULT_TOKENIZER_DIR
@@ -95,6 +96,7 @@ class RouterConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)  # plugins and profiles (versioned)
     slo: SloConfig = field(default_factory=SloConfig)  # named objectives, per model and tenant (docs/slo.md)
+    flow_control: FlowParams = field(default_factory=FlowParams)  # hold requests while saturated (docs/slo.md)
     workers: list[WorkerSpec] = field(default_factory=list)
     workers_file: str | None = None
     events_bind: str | None = None  # bind one SUB socket that engines connect to (topic names the worker)
@@ -126,6 +128,13 @@ def _check(value: Any, tp: Any, where: str) -> Any:
             return parse_scheduling(value, where)
         except ProfileError as e:
             raise ConfigError(str(e)) from None
+    if tp is FlowParams:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping")
+        try:
+            return parse_flow_params(value)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: {e}") from None
     if tp is SloConfig:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping")
@@ -211,8 +220,8 @@ def _key_type(var: str, path: list[str]) -> Any:
     for depth, key in enumerate(path):
         tp = _unwrap(tp)
         where = ".".join(path[:depth]) or "the top level"
-        if tp is SchedulingConfig or tp is SloConfig or tp is Any:
-            return Any  # checked as a whole by parse_scheduling / parse_slo_config
+        if tp is SchedulingConfig or tp is SloConfig or tp is FlowParams or tp is Any:
+            return Any  # checked as a whole by parse_scheduling / parse_slo_config / parse_flow_params
         if typing.get_origin(tp) is dict:
             tp = typing.get_args(tp)[1]
             continue

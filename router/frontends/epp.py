@@ -42,12 +42,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from router.config import RouterConfig
 from router.frontends.api_paths import GENERATE_PATHS, TOKENIZER_PATHS, api_path, is_api_path
 from router.frontends.fleet import Fleet, fleet_from_config
+from router.frontends.flow_gate import FlowGate
 from router.frontends.h2grpc import ConnectionLimits, GrpcServer
 from router.frontends.metrics import RouterMetrics
-from router.frontends.openai import BadRequest, RequestParser, new_request_id, salt_rule
+from router.frontends.openai import BadRequest, RequestParser, new_request_id, request_objective, salt_rule
 from router.frontends.processes import ProcessSlot, start_shared_load
 from router.frontends.proxy import cached_tokens_from
 from router.scheduling import Decision, Dispatch, RouteRequest, RoutingCore
+from router.scheduling.flow import FlowParams
+from router.scheduling.slo import OBJECTIVE_HEADER, TPOT_HEADER, TTFT_HEADER, SloConfig
 from router.tokenizer import PromptTokenizer
 
 log = logging.getLogger("kvrouter.epp")
@@ -165,7 +168,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
     def __init__(self, core: RoutingCore, fleet: Fleet, tokenizer_for: Callable[[str | None], PromptTokenizer],
                  block_size: int, metrics: RouterMetrics, tenant_header: str | None = None,
                  fallbacks: int = 2, *, tenant_missing: str = "reject", session_header: str = "x-session-id",
-                 max_body_bytes: int = 32 * 1024 * 1024) -> None:
+                 max_body_bytes: int = 32 * 1024 * 1024, slo: SloConfig | None = None,
+                 flow: FlowParams | None = None) -> None:
         self.core = core
         self.fleet = fleet
         self.tokenizer_for = tokenizer_for
@@ -174,7 +178,10 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         self.tenant_header = tenant_header.lower() if tenant_header else None
         self.tenant_missing = tenant_missing
         self.session_header = session_header.lower()
-        self.headers_read = frozenset({":path", self.session_header, *((self.tenant_header,) if tenant_header else ())})
+        self.headers_read = frozenset({":path", self.session_header, TTFT_HEADER, TPOT_HEADER, OBJECTIVE_HEADER,
+                                       *((self.tenant_header,) if tenant_header else ())})
+        self.slo = slo or SloConfig()
+        self.gate = FlowGate(core, flow or FlowParams())  # flow control (docs/slo.md); off unless enabled
         self.max_body_bytes = max_body_bytes
         self.fallbacks = fallbacks
         self.parser = RequestParser(tokenizer_for)
@@ -298,12 +305,15 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 return [_immediate(e.status, str(e))]
             self.metrics.count_request("200")
             return [_immediate_json(200, json.dumps(answer).encode(), api_path(path)[1:])]
+        tenant: str | None = None  # the trusted tenant header's value: the flow a waiting request joins
         if api_path(path) not in GENERATE_PATHS:
             rreq = RouteRequest(new_request_id(), [], 0, self.block_size, 1, subset=st.subset)
         else:
             try:
                 salt = salt_rule(st.headers, self.tenant_header, self.tenant_missing)
                 parsed = await self.parser.parse(body, path, salt, self.fleet.max_model_len())
+                tenant = st.headers.get(self.tenant_header) if self.tenant_header else None
+                objective = request_objective(st.headers, self.slo, parsed.model, tenant)
             except BadRequest as e:
                 st.refused = True
                 self.metrics.count_request(e.status)
@@ -311,10 +321,14 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             body = parsed.raw
             lora = self.core.lora_of(parsed.model)
             rreq = await self.parser.route_request(parsed, new_request_id(), self.block_size, lora=lora,
-                                                   session=st.headers.get(self.session_header), subset=st.subset)
+                                                   session=st.headers.get(self.session_header), subset=st.subset,
+                                                   objective=objective)
             st.streamed = parsed.stream
         decision = self.core.decide(rreq, time.monotonic())
         self.metrics.decision_seconds.observe(time.monotonic() - st.started)
+        # while the fleet is saturated the answer waits here (Envoy's ext_proc message_timeout must cover
+        # flow_control.queue_timeout_s); a stream Envoy resets while it waits leaves the queue at once
+        decision = await self.gate.admit(rreq, decision, lambda now: self.core.decide(rreq, now), tenant)
         self.metrics.count_decision(decision)
         if decision.outcome != "routed":
             st.refused = True
@@ -445,7 +459,8 @@ async def run_epp(config: RouterConfig, started: asyncio.Event | None = None,
 
     picker = EndpointPicker(core, fleet, tokenizer_for, config.routing.block_size, metrics, config.tenant_header,
                             config.epp.fallbacks, tenant_missing=config.tenant_missing,
-                            session_header=config.session_header, max_body_bytes=config.max_body_bytes)
+                            session_header=config.session_header, max_body_bytes=config.max_body_bytes,
+                            slo=config.slo, flow=config.flow_control)
 
     async def prometheus(_: web.Request) -> web.Response:
         return web.Response(body=metrics.exposition(), content_type="text/plain", charset="utf-8")

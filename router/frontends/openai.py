@@ -38,6 +38,7 @@ from router.frontends.api_paths import api_path
 from router.frontends.http1 import error_body
 from router.keys import request_keys
 from router.scheduling import RouteRequest
+from router.scheduling.slo import NO_OBJECTIVE, ObjectiveError, ServiceObjective, SloConfig, objective_for
 from router.tokenizer import PromptError, PromptTokenizer, context_error
 
 ERROR_KINDS = {404: "NotFoundError", 413: "RequestEntityTooLarge", 429: "TooManyRequests"}
@@ -115,6 +116,17 @@ def salt_rule(headers: Mapping[str, str], tenant_header: str | None, missing: st
     raise BadRequest(f"the {tenant_header} header is required")
 
 
+def request_objective(headers: Mapping[str, str], slo: SloConfig, model: str | None,
+                      tenant: str | None) -> ServiceObjective:
+    """The request's service objective (router/scheduling/slo.py: llm-d's target headers, GIE's objective header,
+    the config's defaults); a malformed one is a 400 naming the header. ``tenant``: the trusted tenant header's
+    value, or None (a client's own claim of a tenant is never read)."""
+    try:
+        return objective_for(headers, slo, model, tenant)
+    except ObjectiveError as e:
+        raise BadRequest(str(e)) from None
+
+
 @dataclass(slots=True)
 class ParsedRequest:
     body: dict[str, Any]
@@ -144,12 +156,13 @@ class ParsedRequest:
         return self.kind in ("completions", "chat") and self.n == 1 and not self.batch
 
     def route_request(self, request_id: str, block_size: int, lora: str | None = None,
-                      session: str | None = None, subset: frozenset[str] | None = None) -> RouteRequest:
+                      session: str | None = None, subset: frozenset[str] | None = None,
+                      objective: ServiceObjective = NO_OBJECTIVE) -> RouteRequest:
         """Keyed on ``token_ids``; the work is every prompt's (a batch sent as one costs all of it)."""
         keys = request_keys(self.token_ids, block_size, lora_name=lora, cache_salt=self.cache_salt)
         outputs = self.max_tokens * self.n * max(1, len(self.prompts))
         return RouteRequest(request_id, keys, self.prompt_tokens, block_size, outputs, self.model, lora,
-                            session, subset)
+                            session, subset, objective=objective)
 
     def with_fields(self, **fields: Any) -> bytes:
         """The body to forward with ``fields`` set (None: removed), re-encoded."""

@@ -11,7 +11,7 @@ there, the speculative prefix, also while that index resyncs).
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,6 +75,7 @@ class RoutingCore:
         builtin = builtin_profiles(cfg.max_inflight_requests, cfg.max_inflight_tokens, cfg.approx_capacity_blocks)
         self.profile = build_profile(cfg.policy, cfg.scheduling, self.rng, builtin)
         self.dispatches: dict[str, Dispatch] = {}  # in flight, by the router's request id
+        self._release_listeners: list[Callable[[], None]] = []  # told when a request in flight ends
 
     # the state's parts, for the adapters that feed them and the tools that read them
     @property
@@ -246,6 +247,13 @@ class RoutingCore:
 
     def _ended(self, request_id: str) -> None:
         self.dispatches.pop(request_id, None)
+        for listener in self._release_listeners:
+            listener()
+
+    def add_release_listener(self, listener: Callable[[], None]) -> None:
+        """``listener()`` is called whenever a request in flight ends (capacity moved: flow control looks again;
+        router/frontends/flow_gate.py)."""
+        self._release_listeners.append(listener)
 
     def first_token(self, request_id: str, now: float, learn: bool = True) -> None:
         """For callers that know a request by its id only (the simulator's engine outputs)."""

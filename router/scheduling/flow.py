@@ -214,6 +214,19 @@ def parse_flow_params(raw: Mapping[str, Any] | None) -> FlowParams:
     if unknown:
         raise ValueError(f"flow_control: unknown key {sorted(unknown)[0]!r}; known: {sorted(known)}")
     values = dict(raw)
+    expected = {"bool": "true or false", "int": "an integer", "float": "a number"}
+    for name, f in FlowParams.__dataclass_fields__.items():
+        if name not in values or name == "tenant_weights":
+            continue
+        v, kind = values[name], str(f.type)  # (annotations are strings here: from __future__ import annotations)
+        if kind == "bool":
+            ok = isinstance(v, bool)
+        elif kind == "int":
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        else:
+            ok = isinstance(v, int | float) and not isinstance(v, bool)
+        if not ok:
+            raise ValueError(f"flow_control.{name}: expected {expected.get(kind, kind)}, got {v!r}")
     if "tenant_weights" in values:
         weights = values["tenant_weights"] or {}
         if not isinstance(weights, Mapping):
