@@ -43,9 +43,10 @@ class Listen:
 class HttpServerSettings:
     """The proxy's client connections (router/frontends/http1.py); the timeouts are nginx's defaults."""
 
-    header_read_timeout_s: float = 60.0  # request line and headers, from the request's first byte (408 after)
+    header_read_timeout_s: float = 60.0  # request line and headers, from the request's first byte (408 after);
+    #                                      also how long a new connection may send nothing (closed after)
     body_read_timeout_s: float = 60.0  # between two reads of a request's body (408 after)
-    keepalive_timeout_s: float = 75.0  # an idle kept-alive connection is closed after this
+    keepalive_timeout_s: float = 75.0  # a kept-alive connection with no request begun is closed after this
     max_connections: int = 10000  # client connections open at once; past it a new one is answered 503 and closed
 
 

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import aiohttp
 import pytest
 
 from router.scheduling.flow import FlowParams
 from router.scheduling.slo import parse_slo_config
+from tests.sim_helpers import workers
 from tests.test_epp_robustness import gateway_with, post, recording_workers
+from tests.test_proxy import proxy, spec_of
 from tests.zmq_helpers import wait_until
 
 pytestmark = pytest.mark.sockets
@@ -71,3 +74,67 @@ async def test_a_client_that_leaves_while_held_frees_its_place_through_envoy(tmp
         async with aiohttp.ClientSession() as s:  # and the gateway serves on
             status, _ = await post(s, f"{url}/v1/completions", BODY)
             assert status == 200
+
+
+# ---- the proxy ----------------------------------------------------------------------------------------------
+SLO_RAW = {"objectives": {"batch": {"priority": -1}, "chat": {"priority": 1, "ttft_ms": 60000}}}
+
+
+async def test_the_proxy_honours_the_objective_headers_and_counts_the_outcomes():
+    async with workers(1) as ws, proxy([spec_of(ws[0], "w0")], slo=SLO_RAW) as (server, url, _), \
+            aiohttp.ClientSession() as s:
+        await wait_until(lambda: server.core.endpoints["w0"].healthy, 10)
+        stream = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+        async with s.post(f"{url}/v1/completions", json=stream, headers={
+                "x-gateway-inference-objective": "chat"}) as r:
+            assert r.status == 200
+            await r.read()
+        async with s.post(f"{url}/v1/completions", json=BODY, headers={
+                "x-gateway-inference-objective": "batch", "x-slo-ttft-ms": "0.001"}) as r:
+            assert r.status == 429 and int(r.headers["retry-after"]) >= 1
+            assert "no worker meets its objective" in (await r.json())["message"]
+        for headers in ({"x-slo-ttft-ms": "-3"}, {"x-gateway-inference-objective": "nope"}):
+            async with s.post(f"{url}/v1/completions", json=BODY, headers=headers) as r:
+                assert r.status == 400 and next(iter(headers)) in (await r.json())["message"]
+        async with s.get(url + "/metrics") as r:
+            text = await r.text()
+        assert 'kvrouter_slo_requests_total{objective="chat",outcome="met",priority="1"} 1.0' in text
+        assert 'kvrouter_slo_requests_total{objective="batch",outcome="shed",priority="-1"} 1.0' in text
+        assert "kvrouter_ttft_observed_over_predicted_count 1.0" in text
+        assert "kvrouter_tpot_observed_over_predicted_count 1.0" in text
+
+
+async def test_a_request_held_by_the_proxy_past_its_deadline_gets_429_with_retry_after():
+    flow = {"enabled": True, "queue_timeout_s": 0.3}
+    async with workers(1) as ws, proxy([spec_of(ws[0], "w0")], slo=SLO_RAW, flow_control=flow) as (server, url, _), \
+            aiohttp.ClientSession() as s:
+        await wait_until(lambda: server.core.endpoints["w0"].healthy, 10)
+        async with s.post(f"{url}/v1/completions", json=BODY, headers={"x-slo-ttft-ms": "0.001"}) as r:
+            assert r.status == 429 and int(r.headers["retry-after"]) >= 1
+            assert "waited" in (await r.json())["message"]
+        async with s.post(f"{url}/v1/completions", json=BODY) as r:  # without a target: served at once
+            assert r.status == 200
+        assert server.gate.waiting == 0
+
+
+async def test_ten_thousand_clients_that_leave_the_proxy_while_held_leave_nothing_behind():
+    flow = {"enabled": True, "queue_timeout_s": 3600.0, "max_queued": 1000}
+    body = json.dumps(BODY).encode()
+    raw = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-slo-ttft-ms: 0.001\r\n"
+           b"content-length: %d\r\n\r\n%b" % (len(body), body))
+    async with workers(1) as ws, proxy([spec_of(ws[0], "w0")], flow_control=flow) as (server, url, _):
+        await wait_until(lambda: server.core.endpoints["w0"].healthy, 10)
+        host, port = url.removeprefix("http://").split(":")
+        gate = server.gate
+        for _ in range(20):
+            conns = [await asyncio.open_connection(host, int(port)) for _ in range(500)]
+            for _, writer in conns:
+                writer.write(raw)
+            await wait_until(lambda: gate.waiting == 500, 30)
+            for _, writer in conns:
+                writer.close()
+            await wait_until(lambda: gate.waiting == 0 and len(gate.queue) == 0, 30)
+        load = server.core.load.workers.get("w0")
+        assert load is None or load.requests == 0  # none was dispatched, none is counted in flight
+        async with aiohttp.ClientSession() as s, s.post(f"{url}/v1/completions", json=BODY) as r:
+            assert r.status == 200

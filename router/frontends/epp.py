@@ -47,7 +47,7 @@ from router.frontends.h2grpc import ConnectionLimits, GrpcServer
 from router.frontends.metrics import RouterMetrics
 from router.frontends.openai import BadRequest, RequestParser, new_request_id, request_objective, salt_rule
 from router.frontends.processes import ProcessSlot, start_shared_load
-from router.frontends.proxy import cached_tokens_from
+from router.frontends.proxy import cached_tokens_of, output_tokens_from, usage_from
 from router.scheduling import Decision, Dispatch, RouteRequest, RoutingCore
 from router.scheduling.flow import FlowParams
 from router.scheduling.slo import OBJECTIVE_HEADER, TPOT_HEADER, TTFT_HEADER, SloConfig
@@ -332,6 +332,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         self.metrics.count_decision(decision)
         if decision.outcome != "routed":
             st.refused = True
+            if decision.outcome == "shed":
+                self.metrics.count_objective(rreq.objective, None, None, shed=True)
             return [self._refusal(decision)]
         prefiller = None
         if api_path(path) in GENERATE_PATHS and parsed.splittable:
@@ -411,8 +413,11 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             return
         self.metrics.prompt_tokens.inc(handle.request.prompt_tokens)
         if not st.response_bodies:  # headers only: no usage to read
+            self.metrics.observe_request(handle, st.started, now, None, False)
             return
-        reported = cached_tokens_from(st.tail, st.streamed)
+        usage = usage_from(st.tail, st.streamed)
+        self.metrics.observe_request(handle, st.started, now, output_tokens_from(usage), st.streamed)
+        reported = cached_tokens_of(usage)
         if reported is not None:
             self.metrics.hit_reported.inc(reported)
             handle.observed_cached(reported, now)

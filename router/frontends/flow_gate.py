@@ -71,6 +71,9 @@ class FlowGate:
         finally:
             q.remove(request.request_id)  # (a no-op once it left by being answered)
             self._waiters.pop(request.request_id, None)
+            if not q and self._timer is not None:  # the last one left: nothing to look at again
+                self._timer.cancel()
+                self._timer = None
 
     def _saturated(self, request: RouteRequest, decision: Decision) -> bool:
         chosen = decision.report(decision.chosen) if decision.chosen is not None else None

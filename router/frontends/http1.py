@@ -9,15 +9,21 @@ serves the admin port and the simulated workers, where that does not matter.
 What this keeps of a production server: bounded input (header bytes and count, 431; a body over the limit, 413,
 refused from its Content-Length before it is read), a malformed request a 400 and the connection closed, an
 upgrade request (h2c, websocket) answered as plain HTTP/1.1 and the connection closed after it,
-``Expect: 100-continue``, keep-alive with an idle timeout, pipelined requests answered in order (reading pauses
-past a few queued), write back-pressure (a streaming handler waits for a slow client), a client that goes away
-cancelling its request (the proxy then drops the worker connection, which cancels the work there), and HTTP/1.0
-clients answered with the body delimited by the connection's close.
+``Expect: 100-continue`` (the 100 sent only when that request is next to be answered, never inside an earlier
+answer; any other expectation a 417), nginx's timeouts (a request's headers must arrive within
+``header_timeout_s`` of its first byte, each read of its body within ``body_timeout_s`` of the one before: 408
+and the connection closed; none runs while an answer is being written, since a long stream is not idle),
+keep-alive with an idle timeout, a cap on the connections open at once (past it a 503 and the close), pipelined
+requests answered in order (reading pauses past a few queued), write back-pressure (a streaming handler waits
+for a slow client), a client that goes away cancelling its request (the proxy then drops the worker connection,
+which cancels the work there), and HTTP/1.0 clients answered with the body delimited by the connection's close.
 
 The pool: one kept-alive connection per request in flight to a worker, reused LIFO; a reused connection the
 worker closed while idle (the race every keep-alive client has) is retried once on a new one, and only if
-not a byte of its answer came back. A response's body is read as it arrives, reading paused when the reader
-lags; a deadline covers the whole exchange, as aiohttp's ``total`` timeout did.
+not a byte of its answer came back. An interim answer (1xx other than 101: a worker's own ``100 Continue``,
+103 Early Hints) is skipped, never taken for the final one (RFC 9110 15.2). A response's body is read as it
+arrives, reading paused when the reader lags; a deadline covers the whole exchange, as aiohttp's ``total``
+timeout did.
 """
 
 from __future__ import annotations
@@ -28,17 +34,23 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, NoReturn
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
+
+from router.config import HttpServerSettings
 
 log = logging.getLogger("kvrouter.http")
 
 MAX_HEADER_BYTES = 64 * 1024  # request line and headers together
 MAX_HEADERS = 128
 MAX_PIPELINED = 8  # requests parsed ahead of the one being answered before reading pauses
-KEEPALIVE_S = 75.0  # an idle client connection is closed after this (aiohttp's default)
+_SETTINGS = HttpServerSettings()  # config.http's defaults (nginx's timeouts), the one place they are set
+HEADER_TIMEOUT_S = _SETTINGS.header_read_timeout_s  # a request's line and headers, from its first byte: 408
+BODY_TIMEOUT_S = _SETTINGS.body_read_timeout_s  # between two reads of a request's body: 408
+KEEPALIVE_S = _SETTINGS.keepalive_timeout_s  # an idle client connection is closed after this
+MAX_CONNECTIONS = _SETTINGS.max_connections  # client connections open at once, per listening server
 LINGER_S = 2.0  # a refused request's connection is read and dropped this long before it is closed
 UPSTREAM_HIGH_WATER = 256 * 1024  # a worker's answer buffered unread past this pauses reading it
 MAX_IDLE_PER_WORKER = 256
@@ -123,12 +135,46 @@ class StreamWriter:
 Handler = Callable[[Request], Awaitable["Response | None"]]
 
 
+class Connections:
+    """The client connections open on one listening server, against its ``limit``: past it a new connection is
+    answered 503 and closed, so a flood of idle or slow connections (each may hold up to ``max_body_bytes`` of a
+    request) is bounded. ``open`` and ``buffered_bytes`` are what the server holds now, for tests and operators."""
+
+    __slots__ = ("limit", "open")
+
+    def __init__(self, limit: int = MAX_CONNECTIONS) -> None:
+        self.limit = limit
+        self.open: set[HttpServerProtocol] = set()
+
+    def buffered_bytes(self) -> int:
+        """Request bytes held by all open connections: headers and bodies being read, requests queued."""
+        return sum(conn.buffered_bytes for conn in self.open)
+
+
+# what the connection is reading, for its timer: nothing (between requests), a request's headers, its body
+_IDLE, _HEAD, _BODY = 0, 1, 2
+
+
 class HttpServerProtocol(asyncio.Protocol):
     """One client connection. ``handler`` answers each request with a ``Response``, or streams it (``stream``)
-    and returns None. Requests are answered one at a time, in order."""
+    and returns None. Requests are answered one at a time, in order.
 
-    def __init__(self, handler: Handler, max_body_bytes: int, refused: Callable[[int], None] | None = None) -> None:
+    Timeouts (nginx's ``client_header_timeout``, ``client_body_timeout``, ``keepalive_timeout``): a request's
+    headers must be in ``header_timeout_s`` after its first byte, each read of its body must follow the one
+    before within ``body_timeout_s`` (else 408, then the close: a slowloris client holds a connection and its
+    buffered bytes only that long); a connection with no request begun is closed, without an answer, after
+    ``keepalive_s`` (``header_timeout_s`` before its first request, as nginx waits for one). None of them runs
+    while an answer is being written: a long stream is not idle, and the next request's clocks start when it
+    ends. One timer per connection does it all, never re-armed per request: it fires at least every
+    ``min(timeouts)`` and compares the clocks (a timestamp per read, set in ``data_received``)."""
+
+    def __init__(self, handler: Handler, max_body_bytes: int, refused: Callable[[int], None] | None = None, *,
+                 header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
+                 keepalive_s: float = KEEPALIVE_S, connections: Connections | None = None) -> None:
         self._handler, self._max_body, self._refused_hook = handler, max_body_bytes, refused
+        self._header_timeout, self._body_timeout, self._keepalive = header_timeout_s, body_timeout_s, keepalive_s
+        self._tick_s = max(0.01, min(header_timeout_s, body_timeout_s, keepalive_s))
+        self._connections = connections
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
@@ -138,7 +184,10 @@ class HttpServerProtocol(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._write_paused = False
         self._closed = False
-        self._idle: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._phase = _IDLE
+        self._since = self._last_read = self._loop.time()  # the idle or header clock's start; the last read
+        self._idle_timeout = header_timeout_s  # until the first answer: then keepalive_s
         self.streaming = False
         self._discarding = False  # refused: what else arrives is dropped until the close
         self._reset_message()
@@ -150,17 +199,31 @@ class HttpServerProtocol(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_len = 0
         self._refused = False
+        self._continue = False  # a 100 Continue is owed to this request, once it is next to be answered
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Request bytes this connection holds: the request being read, and those queued to be answered."""
+        return self._header_bytes + self._body_len + sum(len(r.body) for r in self._queue)
 
     # ---- transport events ----------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport subclasses
-        self._arm_idle()
+        connections = self._connections
+        if connections is not None:
+            if len(connections.open) >= connections.limit:
+                self._reject(503, f"over {connections.limit} connections open", "ServiceUnavailableError")
+                return
+            connections.open.add(self)
+        self._timer = self._loop.call_at(self._since + self._tick_s, self._tick)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        if self._connections is not None:
+            self._connections.open.discard(self)
         self._queue.clear()
-        if self._idle is not None:
-            self._idle.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
         if self._task is not None and not self._task.done():
             self._task.cancel()  # the client went away: its request is abandoned (the worker's connection dropped)
         if self._drain is not None and not self._drain.done():
@@ -178,9 +241,7 @@ class HttpServerProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._discarding:
             return
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+        self._last_read = self._loop.time()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # answered as plain HTTP/1.1 (no upgrade is served), then closed
@@ -193,9 +254,36 @@ class HttpServerProtocol(asyncio.Protocol):
             if not self._refused:
                 self._refuse(400, f"malformed HTTP request: {e}")
 
+    def _tick(self) -> None:
+        """The connection's timer: a timeout that has run out answers 408 (a request begun) or closes (none);
+        otherwise it fires again at the deadline, or ``_tick_s`` from now, whichever comes first (a request can
+        begin meanwhile, whose deadline is that close)."""
+        self._timer = None
+        if self._closed or self._discarding:
+            return
+        now = self._loop.time()
+        if self._task is not None:
+            deadline = now + self._tick_s  # answering: no timeout runs
+        elif self._phase == _HEAD:
+            deadline = self._since + self._header_timeout
+        elif self._phase == _BODY:
+            deadline = self._last_read + self._body_timeout
+        else:
+            deadline = self._since + self._idle_timeout
+        if now < deadline:
+            self._timer = self._loop.call_at(min(deadline, now + self._tick_s), self._tick)
+        elif self._phase == _HEAD:
+            self._reject(408, f"the request's headers did not arrive within {self._header_timeout:g} s",
+                         "RequestTimeout")
+        elif self._phase == _BODY:
+            self._reject(408, f"no byte of the request's body in {self._body_timeout:g} s", "RequestTimeout")
+        else:
+            self.close()  # idle: nothing was asked, nothing to answer (nginx closes so too)
+
     # ---- parser callbacks ------------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._reset_message()
+        self._phase, self._since = _HEAD, self._last_read  # the header clock starts at the request's first byte
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -213,19 +301,35 @@ class HttpServerProtocol(asyncio.Protocol):
             self._refuse(431, f"request line and headers over {MAX_HEADER_BYTES} bytes")
 
     def on_headers_complete(self) -> None:
+        self._phase = _BODY
         length = self._headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self._max_body:
             self._refuse(413, f"request body over the {self._max_body}-byte limit", "RequestEntityTooLarge")
-        if self._headers.get("expect", "").lower() == "100-continue" and self._transport is not None:
+        expect = self._headers.get("expect")
+        # RFC 9110 10.1.1: 100-continue is the one expectation; an HTTP/1.0 request's is ignored
+        if expect is not None and self._parser.get_http_version() == "1.1":
+            if expect.lower() != "100-continue":
+                self._refuse(417, f"unsupported expectation {expect!r}: only 100-continue is",
+                             "ExpectationFailed")
+            self._continue = True
+            self._send_continue()
+
+    def _send_continue(self) -> None:
+        """The 100 the request being read is owed, if it is next to be answered: written while an earlier answer
+        is in progress it would land inside that answer, so it waits for ``_serve`` to finish them."""
+        if self._continue and self._task is None and not self._closed and self._transport is not None:
+            self._continue = False
             self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
+        self._continue = False  # the body is coming anyway: the 100 is moot (RFC 9110 10.1.1 lets it go)
         self._body_len += len(body)
         if self._body_len > self._max_body:
             self._refuse(413, f"request body over the {self._max_body}-byte limit", "RequestEntityTooLarge")
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._phase, self._continue = _IDLE, False
         try:
             url = httptools.parse_url(self._url)
         except httptools.HttpParserInvalidURLError:
@@ -236,6 +340,7 @@ class HttpServerProtocol(asyncio.Protocol):
         request = Request(self, parser.get_method().decode("latin-1"), url.path.decode("latin-1"),
                           (url.query or b"").decode("latin-1"), CIMultiDictProxy(self._headers),
                           b"".join(self._body), parser.get_http_version() == "1.1", parser.should_keep_alive())
+        self._header_bytes = self._body_len = 0  # the request holds them now (counted in the queue)
         self._queue.append(request)
         if len(self._queue) > MAX_PIPELINED and not self._paused_reading and self._transport is not None:
             self._paused_reading = True
@@ -243,7 +348,12 @@ class HttpServerProtocol(asyncio.Protocol):
         if self._task is None:
             self._task = self._loop.create_task(self._serve())
 
-    def _refuse(self, status: int, message: str, kind: str = "BadRequestError") -> None:
+    def _refuse(self, status: int, message: str, kind: str = "BadRequestError") -> NoReturn:
+        """``_reject`` from a parser callback: the parser stops there."""
+        self._reject(status, message, kind)
+        raise httptools.HttpParserCallbackError(message)
+
+    def _reject(self, status: int, message: str, kind: str) -> None:
         """Answer ``status`` now and close: the rest of this connection's bytes cannot be trusted to frame. The
         close lingers: what the client is still sending (a refused body) is read and dropped for a moment, since
         closing on unread bytes resets the connection and the client could lose the answer."""
@@ -261,7 +371,6 @@ class HttpServerProtocol(asyncio.Protocol):
             self._loop.call_later(LINGER_S, self.close)
         else:
             self.close()
-        raise httptools.HttpParserCallbackError(message)  # stops the parser
 
     # ---- answering ---------------------------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -296,7 +405,10 @@ class HttpServerProtocol(asyncio.Protocol):
             except ConnectionError:
                 return
         self._task = None
-        self._arm_idle()
+        # the clocks start now: the idle one, and those of a request read meanwhile (a pipelining client's)
+        self._since = self._last_read = self._loop.time()
+        self._idle_timeout = self._keepalive
+        self._send_continue()
 
     def _answer(self, request: Request, answer: Response) -> None:
         extra = b"content-length: %d\r\n" % len(answer.body)
@@ -323,10 +435,6 @@ class HttpServerProtocol(asyncio.Protocol):
             self._transport.close()
         self._closed = True
 
-    def _arm_idle(self) -> None:
-        if not self._closed and self._task is None:
-            self._idle = self._loop.call_later(KEEPALIVE_S, self.close)
-
 
 def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
     """vLLM's OpenAI error shape."""
@@ -334,11 +442,21 @@ def error_body(status: int, message: str, kind: str) -> dict[str, Any]:
 
 
 async def serve(handler: Handler, host: str, port: int, max_body_bytes: int, reuse_port: bool = False,
-                refused: Callable[[int], None] | None = None) -> asyncio.Server:
-    """Listen on ``host:port``; ``refused(status)`` is told of each request refused before the handler saw it."""
+                refused: Callable[[int], None] | None = None, settings: HttpServerSettings | None = None,
+                connections: Connections | None = None) -> asyncio.Server:
+    """Listen on ``host:port``; ``refused(status)`` is told of each request refused before the handler saw it
+    (a timeout's 408 and an over-limit connection's 503 included). ``settings``: the timeouts and the connection
+    limit (``config.http``; None: the defaults); ``connections``: the open connections' record to keep, for a
+    caller that reads it (its limit is ``settings.max_connections`` where it is made here)."""
+    settings = settings or _SETTINGS
+    if connections is None:
+        connections = Connections(settings.max_connections)
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: HttpServerProtocol(handler, max_body_bytes, refused), host, port,
-                                    reuse_port=reuse_port or None)
+    return await loop.create_server(
+        lambda: HttpServerProtocol(handler, max_body_bytes, refused, header_timeout_s=settings.header_read_timeout_s,
+                                   body_timeout_s=settings.body_read_timeout_s,
+                                   keepalive_s=settings.keepalive_timeout_s, connections=connections),
+        host, port, reuse_port=reuse_port or None)
 
 
 # ---- the pool of connections to workers ----------------------------------------------------------------
@@ -352,6 +470,7 @@ class _UpstreamProtocol(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
         self.closed = False
+        self.interim = False  # the message being parsed is a 1xx interim answer, skipped
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport subclasses
@@ -380,7 +499,12 @@ class _UpstreamProtocol(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         assert self.response is not None
-        self.response.headers_done(self.parser.get_status_code())
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # interim (RFC 9110 15.2): the final answer is still to come
+            self.interim = True
+            self.response.headers.clear()
+            return
+        self.response.headers_done(status)
 
     def on_body(self, body: bytes) -> None:
         assert self.response is not None
@@ -388,6 +512,9 @@ class _UpstreamProtocol(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self.response is not None
+        if self.interim:  # llhttp ends a 1xx as a message of its own, with no body: the next one is the answer
+            self.interim = False
+            return
         self.response.complete(self.parser.should_keep_alive())
 
     def abort(self) -> None:
@@ -599,5 +726,5 @@ class UpstreamPool:
         self._open.clear()
 
 
-__all__ = ["Request", "Response", "StreamWriter", "UpstreamError", "UpstreamPool", "UpstreamResponse",
-           "error_body", "json_response", "serve"]
+__all__ = ["Connections", "Request", "Response", "StreamWriter", "UpstreamError", "UpstreamPool",
+           "UpstreamResponse", "error_body", "json_response", "serve"]

@@ -20,10 +20,13 @@ from router.frontends.diagnosis import PROBLEMS
 
 if TYPE_CHECKING:
     from router.frontends.fleet import Fleet
-    from router.scheduling import Decision
+    from router.scheduling import Decision, Dispatch
+    from router.scheduling.slo import ServiceObjective
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own variable: set, the counters are per-process files
 
+# a request's observed time over the objective's prediction for it (1: exact): how good the predictor is
+PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -107,6 +110,16 @@ class RouterMetrics:
         self.decision_seconds = Histogram("kvrouter_decision_seconds", "Time to parse, tokenize and decide.",
                                           buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1),
                                           registry=r)
+        self.ttft_prediction = Histogram(
+            "kvrouter_ttft_observed_over_predicted", "A request's TTFT at its worker (from dispatch) over the routing "
+            "objective's prediction for the chosen worker: 1 is exact.", buckets=PREDICTION_RATIO_BUCKETS, registry=r)
+        self.tpot_prediction = Histogram(
+            "kvrouter_tpot_observed_over_predicted", "A streamed request's time per output token after the first over "
+            "the predicted decode step.", buckets=PREDICTION_RATIO_BUCKETS, registry=r)
+        # per objective and priority, not per tenant: tenants are a header's values, an unbounded label
+        self.slo_requests = Counter("kvrouter_slo_requests", "Requests with TTFT/TPOT targets by outcome: met (both "
+                                    "within target, TTFT counted from the router's arrival), missed, shed (refused "
+                                    "429).", ["objective", "priority", "outcome"], registry=r)
         # label children bound once: ``labels()`` validates and locks on every call, which every request paid
         # two or three times (a few label values each: statuses, and policy x outcome x credit)
         self._by_status: dict[int | str, Counter] = {}
@@ -128,6 +141,40 @@ class RouterMetrics:
             child = self._by_decision.setdefault(key, self.decisions.labels(decision.policy, decision.outcome,
                                                                             str(credited).lower()))
         child.inc()
+
+    def observe_prediction(self, predicted_ttft_s: float | None, observed_ttft_s: float | None,
+                           predicted_tpot_s: float | None = None, observed_tpot_s: float | None = None) -> None:
+        """A served request's observed TTFT (and TPOT, when it streamed more than one token) against the
+        objective's predictions for its worker; a side without a prediction is skipped."""
+        if predicted_ttft_s and observed_ttft_s is not None:
+            self.ttft_prediction.observe(observed_ttft_s / predicted_ttft_s)
+        if predicted_tpot_s and observed_tpot_s is not None:
+            self.tpot_prediction.observe(observed_tpot_s / predicted_tpot_s)
+
+    def observe_request(self, handle: Dispatch, arrived_at: float, now: float, output_tokens: int | None,
+                        streamed: bool) -> None:
+        """A request served to its end (``now``): its TTFT and (streamed, with its usage) TPOT against the
+        objective's predictions for the worker it went to, and, where it had targets, whether it met them (TTFT
+        counted from ``arrived_at``, the router's arrival, so a wait in flow control's queue counts; a request
+        not streamed has its first token with its answer)."""
+        first = handle.first_token_at
+        if first is None:
+            return
+        tpot = None
+        if streamed and output_tokens is not None and output_tokens > 1:
+            tpot = (now - first) / (output_tokens - 1)
+        report = handle.report
+        if report is not None:
+            self.observe_prediction(report.ttft_s, first - handle.dispatched_at, report.step_s, tpot)
+        self.count_objective(handle.request.objective, first - arrived_at, tpot)
+
+    def count_objective(self, objective: ServiceObjective, ttft_s: float | None, tpot_s: float | None,
+                        shed: bool = False) -> None:
+        """One request with targets, by whether it met them (``ServiceObjective.met``) or was shed."""
+        if not objective.has_targets:
+            return
+        outcome = "shed" if shed else "met" if objective.met(ttft_s, tpot_s) else "missed"
+        self.slo_requests.labels(objective.name or "request", str(objective.priority), outcome).inc()
 
     def exposition(self) -> bytes:
         """The text a scrape gets: this router's registry, or the counters summed over every process of the

@@ -39,6 +39,7 @@ from router.config import RouterConfig
 from router.frontends import http1
 from router.frontends.api_paths import GENERATE_PATHS, TOKENIZER_PATHS
 from router.frontends.fleet import fleet_from_config
+from router.frontends.flow_gate import FlowGate
 from router.frontends.http1 import Request, Response, UpstreamError, UpstreamPool, UpstreamResponse, json_response
 from router.frontends.metrics import RouterMetrics
 from router.frontends.openai import (
@@ -48,20 +49,26 @@ from router.frontends.openai import (
     SaltRule,
     merge_completions,
     new_request_id,
+    request_objective,
     salt_rule,
 )
 from router.frontends.openai import error_response as admin_error
 from router.frontends.processes import ProcessSlot, start_shared_load
 from router.index.digest import residency_digest
 from router.scheduling import Decision, Dispatch, RouteRequest, RoutingCore
+from router.scheduling.core import SATURATED_REASON
 from router.scheduling.disagg import PrefillPlan
+from router.scheduling.slo import NO_OBJECTIVE, ServiceObjective
 from router.tokenizer import PromptTokenizer, load_tokenizer
 
 log = logging.getLogger("kvrouter.proxy")
 
 DESTINATION_HEADERS = {"x-gateway-destination-endpoint", "x-gateway-destination-endpoint-subset"}
+# never forwarded either way (RFC 9110 7.6.1), nor the framing the proxy sets itself; and ``expect``: the proxy
+# answers the client's 100-continue itself, and sends the worker a whole body (forwarded, the worker's own 100
+# came back as an answer)
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-              "transfer-encoding", "upgrade", "host", "content-length"}
+              "transfer-encoding", "upgrade", "host", "content-length", "expect", "proxy-connection"}
 USAGE_TAIL_BYTES = 8192
 MAX_JSON_TAIL_BYTES = 4 * 1024 * 1024  # a non-streamed answer longer than this is relayed, not parsed for usage
 WHOLE_BODY_BYTES = 1024 * 1024  # a non-streamed answer up to this long is read whole and sent in one write
@@ -92,29 +99,41 @@ def _json_loads(data: bytes) -> Any:
         return json.loads(data)
 
 
-def cached_tokens_from(tail: bytes, streamed: bool) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` from a JSON body or the last SSE chunks; None unless it is
-    there as a non-negative integer (a worker's answer is input too: it must not break the metrics)."""
+def usage_from(tail: bytes, streamed: bool) -> dict[str, Any] | None:
+    """The ``usage`` object of a JSON body or of the last SSE chunks (a worker's answer is input too: anything
+    malformed is None, never an error)."""
     try:
         if not streamed:
-            return _cached_tokens(_json_loads(tail))
+            return _usage(_json_loads(tail))
         for line in reversed(tail.split(b"\n")):
             if line.startswith(b"data: {") and b'"usage"' in line:
-                return _cached_tokens(_json_loads(line[6:]))
+                return _usage(_json_loads(line[6:]))
     except (ValueError, RecursionError):
         return None
     return None
 
 
-def _cached_tokens(answer: Any) -> int | None:
+def _usage(answer: Any) -> dict[str, Any] | None:
     if isinstance(answer, dict) and answer.get("type") == "response.completed":  # a Responses stream's last event
         answer = answer.get("response")
     usage = answer.get("usage") if isinstance(answer, dict) else None
-    details = None
-    if isinstance(usage, dict):  # the Responses API says input_tokens_details
-        details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
-    n = details.get("cached_tokens") if isinstance(details, dict) else None
-    return n if type(n) is int and n >= 0 else None
+    return usage if isinstance(usage, dict) else None
+
+
+def _count(value: Any) -> int | None:
+    return value if type(value) is int and value >= 0 else None
+
+
+def cached_tokens_of(usage: dict[str, Any] | None) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens``; None unless it is there as a non-negative integer."""
+    # the Responses API says input_tokens_details
+    details = None if usage is None else usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
+    return _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+
+
+def output_tokens_from(usage: dict[str, Any] | None) -> int | None:
+    """``usage.completion_tokens`` (the Responses API's ``output_tokens``), where it is a non-negative integer."""
+    return None if usage is None else _count(usage.get("completion_tokens", usage.get("output_tokens")))
 
 
 class _LoggedDecision:
@@ -169,6 +188,8 @@ class ProxyServer:
         self.metrics = RouterMetrics(self.fleet)
         self.decisions: collections.deque[_LoggedDecision] = collections.deque(maxlen=config.decision_log_size)
         self.parser = RequestParser(self.tokenizer_for)
+        self.gate = FlowGate(self.core, config.flow_control)  # flow control (docs/slo.md); off unless enabled
+        self.connections = http1.Connections(config.http.max_connections)  # the API port's client connections
         self._pool: UpstreamPool | None = None
         self._urls: dict[str, tuple[str, int, str, bool]] = {}  # worker URL: host, port, path prefix, TLS
         # the client headers never forwarded: with a trusted tenant header (salt.salt set), that one too
@@ -192,7 +213,8 @@ class ProxyServer:
     async def serve_api(self, host: str, port: int, reuse_port: bool = False) -> asyncio.Server:
         """Listen for the API (router/frontends/http1.py: the request path on asyncio protocols)."""
         return await http1.serve(self.handle, host, port, self.config.max_body_bytes, reuse_port,
-                                 refused=lambda status: self.metrics.count_request(str(status)))
+                                 refused=lambda status: self.metrics.count_request(str(status)),
+                                 settings=self.config.http, connections=self.connections)
 
     async def handle(self, request: Request) -> Response | None:
         """The API port: only the API paths (router/frontends/api_paths.py); 404 for any other, 405 for a
@@ -226,9 +248,12 @@ class ProxyServer:
     async def generate(self, request: Request) -> Response | None:
         started = time.monotonic()
         raw = request.body  # whole, within max_body_bytes (a longer one was a 413 before it was read)
+        tenant_header = self.config.tenant_header
+        tenant = request.headers.get(tenant_header) if tenant_header else None  # trusted, or none at all
         try:
-            salt = salt_rule(request.headers, self.config.tenant_header, self.config.tenant_missing)
+            salt = salt_rule(request.headers, tenant_header, self.config.tenant_missing)
             parsed = await self.parser.parse(raw, request.path, salt, self.fleet.max_model_len())
+            objective = request_objective(request.headers, self.config.slo, parsed.model, tenant)
         except BadRequest as e:
             self.metrics.count_request(e.status)
             return error(e.status, str(e), e.kind)
@@ -237,10 +262,13 @@ class ProxyServer:
         rid = new_request_id()  # ours: a client's x-request-id is forwarded, never used as a key
         lora = self.core.lora_of(parsed.model)
         rreq = await self.parser.route_request(parsed, rid, self.config.routing.block_size, lora=lora,
-                                               session=request.headers.get(self.config.session_header))
+                                               session=request.headers.get(self.config.session_header),
+                                               objective=objective)
         decision = self._decide(rreq, request, started)
+        # while the fleet is saturated the request waits here; a client that leaves is cancelled out of the queue
+        decision = await self.gate.admit(rreq, decision, lambda now: self.core.decide(rreq, now), tenant)
         if decision.outcome != "routed":
-            return self._refusal(decision)
+            return self._refusal(decision, objective=objective)
         headers = self._upstream_headers(request, salt)
         body = parsed.raw
         if parsed.splittable:
@@ -318,16 +346,21 @@ class ProxyServer:
                            batch_index)
         return decision
 
-    def _refusal(self, decision: Decision, prefix: str = "") -> Response:
+    def _refusal(self, decision: Decision, prefix: str = "", objective: ServiceObjective = NO_OBJECTIVE) -> Response:
         if decision.outcome == "shed":
             self.metrics.count_request("429")
-            return error(429, prefix + "all workers are saturated; retry later", "TooManyRequests",
+            self.metrics.count_objective(objective, None, None, shed=True)
+            why = "all workers are saturated" if decision.reason == SATURATED_REASON else decision.reason
+            return error(429, f"{prefix}{why}; retry later", "TooManyRequests",
                          {"Retry-After": str(max(1, round(decision.retry_after_s)))})
         self.metrics.count_request("503")
         return error(503, prefix + decision.reason, "ServiceUnavailableError")
 
     def _upstream_headers(self, request: Request, salt: SaltRule) -> list[tuple[str, str]]:
         drop = self._drop_headers[bool(salt.salt)]
+        named = request.headers.get("connection")
+        if named:  # the headers a Connection header names are this hop's too (RFC 9110 7.6.1)
+            drop = drop | {n.strip().lower() for n in named.split(",")}
         return [(k, v) for k, v in request.headers.items() if k.lower() not in drop]
 
     async def _send(self, method: str, base: str, path: str, headers: list[tuple[str, str]], body: bytes,
@@ -506,7 +539,7 @@ class ProxyServer:
             return _Answer(upstream.status, wid, body)
         if not isinstance(body.get("choices"), list):
             return _Answer(502, wid, message=f"worker {wid} answered a completion without choices")
-        reported = _cached_tokens(body)
+        reported = cached_tokens_of(_usage(body))
         self.metrics.hit_estimated.inc(handle.expected_hit_tokens)
         if reported is not None:
             self.metrics.hit_reported.inc(reported)
@@ -597,7 +630,9 @@ class ProxyServer:
         upstream.release()
         self.metrics.count_request(upstream.status)
         if upstream.status == 200:
-            reported = cached_tokens_from(tail, streamed)
+            usage = usage_from(tail, streamed)
+            reported = cached_tokens_of(usage)
+            self.metrics.observe_request(handle, started, now, output_tokens_from(usage), streamed)
             self.metrics.hit_estimated.inc(handle.expected_hit_tokens)
             if reported is not None:
                 self.metrics.hit_reported.inc(reported)

@@ -64,6 +64,9 @@ class RoutingConfig:
             raise ValueError(f"unknown index layout {self.index!r}; choose from {sorted(INDEX_LAYOUTS)}")
 
 
+SATURATED_REASON = "every eligible worker is saturated"  # the admission filter's shed (the proxy words its own)
+
+
 class RoutingCore:
     def __init__(self, config: RoutingConfig | None = None, feeder: IndexFeeder | None = None) -> None:
         self.config = cfg = config or RoutingConfig()
@@ -188,7 +191,7 @@ class RoutingCore:
             saturated = any(reasons[i] == SATURATED for i in filtered)
             decision.outcome = "shed" if saturated else "no_endpoint"
             ids = snap.ids
-            decision.reason = "every eligible worker is saturated" if saturated else (
+            decision.reason = SATURATED_REASON if saturated else (
                 "no eligible endpoint: " + "; ".join(f"{ids[i]}: {reasons[i]}" for i in filtered)
                 if filtered else "no endpoints known")
             decision.candidates = snap.candidates_at(filtered)

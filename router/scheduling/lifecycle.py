@@ -29,6 +29,8 @@ class Dispatch:
         self.worker_id = worker_id
         self.attempts = 0
         self.ended = False
+        self.dispatched_at = now
+        self.first_token_at: float | None = None  # when its first token came (or, not streamed, its answer)
         self._on_end = on_end
         self._undo: list[Undo] = []
         self._record(worker_id, now)
@@ -56,6 +58,8 @@ class Dispatch:
 
     def first_token(self, now: float, learn: bool = True) -> None:
         """``learn``: fit this TTFT into the worker's engine profile (only when the first token was seen as such)."""
+        if self.first_token_at is None:
+            self.first_token_at = now
         r = self.state.load.first_token(self.request.request_id, now)
         shared = self.state.shared_load
         if r is not None and shared is not None:
