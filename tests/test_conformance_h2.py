@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import socket
 import struct
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
@@ -27,7 +28,9 @@ import h2.events
 import hpack
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.load import free_port, server_process
 from router.frontends import h2grpc
 from router.frontends.h2grpc import (
     CONTINUATION,
@@ -546,3 +549,59 @@ def test_a_block_that_changes_the_table_size_is_never_answered_from_the_cache() 
         assert conn.decode_header_block(block) == expected
         assert conn.decoder.header_table.maxsize == reference.header_table.maxsize
     assert to_0 not in conn.known_blocks  # a block that changes the size is not kept
+
+
+# ---- the picker as a process: its RSS, as issue 46 measured it -------------------------------------------------
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _flood_without_reading(port: int, frame: bytes, total_bytes: int) -> int:
+    """Send ``frame`` over and over on a connection that never reads, up to ``total_bytes`` or until the server
+    stops taking them (it stopped reading, or closed); returns the bytes it took."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the server's answers back up at once
+    sock.connect(("127.0.0.1", port))
+    sock.settimeout(2.0)
+    burst = frame * (65536 // len(frame))
+    sent = 0
+    try:
+        sock.sendall(h2grpc.PREFACE + h2grpc._frame(h2grpc.SETTINGS, 0, 0))
+        while sent < total_bytes:
+            sent += sock.send(burst)
+    except (TimeoutError, OSError):  # the server stopped reading (a full send buffer times out) or hung up
+        pass
+    finally:
+        sock.close()
+    return sent
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_picker_process_keeps_its_rss_under_floods_from_clients_that_never_read():
+    """f990b79: a PING flood from a client that never reads took `kvrouter epp` from 85 to 284 MiB and growing.
+    Now a PING flood ends at the third strike, and a SETTINGS flood (every one answered by an ACK) stops being
+    read once its answers back up; the process grows by a few MiB, and a gRPC client is served after each."""
+    port = free_port()
+    args = ["-m", "router.cli", "epp", "--port", str(port), "--health-port", str(port), "--metrics-port",
+            str(free_port()), "--worker", "http://127.0.0.1:9,id=w0"]
+    with server_process(args, port) as proc:
+        def served() -> bool:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                return stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status >= 0
+
+        assert served()
+        before = _rss_mib(proc.pid)
+        ping = h2grpc._frame(h2grpc.PING, 0, 0, b"12345678")
+        taken = _flood_without_reading(port, ping, 64 * 1024 * 1024)
+        assert taken < 64 * 1024 * 1024  # it hung up: GOAWAY after the ping strikes
+        assert served()
+        settings = h2grpc._frame(h2grpc.SETTINGS, 0, 0)
+        taken = _flood_without_reading(port, settings, 64 * 1024 * 1024)
+        assert taken < 64 * 1024 * 1024  # it stopped reading once its answers backed up
+        assert served()
+        assert _rss_mib(proc.pid) - before < 32, (before, _rss_mib(proc.pid))
