@@ -488,6 +488,16 @@ async def test_padding_as_long_as_its_frame_is_a_connection_protocol_error(
         peer.close()
 
 
+
+async def waiting_stream(s: Any) -> tuple[Peer, int]:
+    """A new connection with one stream whose handler waits (its message ``wait`` taken): the stream to break."""
+    peer = await Peer.open(s.port)
+    sid = peer.request()
+    peer.h2.send_data(sid, grpc_message(b"wait"))
+    peer.send()
+    await wait_until(s.echo.waiting.is_set)
+    return peer, sid
+
 @BOTH
 @pytest.mark.parametrize(("increment", "code"), [(0, PROTOCOL_ERROR), (2**31 - 1, FLOW_CONTROL_ERROR)])
 async def test_a_bad_stream_window_update_is_a_stream_error(
@@ -496,11 +506,7 @@ async def test_a_bad_stream_window_update_is_a_stream_error(
     window past 2^31-1 a stream error FLOW_CONTROL_ERROR: RST_STREAM, the handler cancelled, the connection
     serving on."""
     async with served_by(kind) as s:
-        peer = await Peer.open(s.port)
-        sid = peer.request()
-        peer.h2.send_data(sid, grpc_message(b"wait"))
-        peer.send()
-        await wait_until(s.echo.waiting.is_set)
+        peer, sid = await waiting_stream(s)
         await peer.roundtrip(_frame(WINDOW_UPDATE, 0, sid, struct.pack(">I", increment)))
         if s.server is None:
             record(record_property, f"stream WINDOW_UPDATE {increment}: {peer.outcome(sid)}")
@@ -520,11 +526,7 @@ async def test_an_initial_window_that_overflows_an_open_stream_is_a_connection_f
     """RFC 9113 6.9.2: a SETTINGS_INITIAL_WINDOW_SIZE that takes an open stream's window past 2^31-1 is a
     connection error FLOW_CONTROL_ERROR."""
     async with served_by(kind) as s:
-        peer = await Peer.open(s.port)
-        sid = peer.request()
-        peer.h2.send_data(sid, grpc_message(b"wait"))
-        peer.send()
-        await wait_until(s.echo.waiting.is_set)
+        peer, sid = await waiting_stream(s)
         to_max = _frame(WINDOW_UPDATE, 0, sid, struct.pack(">I", 2**31 - 1 - 65535))  # now exactly 2^31-1
         one_more = _frame(SETTINGS, 0, 0, struct.pack(">HI", S_INITIAL_WINDOW_SIZE, 65536))
         await peer.roundtrip(to_max + one_more)
