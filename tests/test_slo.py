@@ -248,3 +248,19 @@ def test_meets_objective_without_targets_is_min_score_over_random_fleets(seed):
             core.dispatch(r, d, d.chosen, k * 0.01)
             out.append(list(d.ranked))
         assert out[0] == out[1]
+
+
+def test_llm_ds_newer_header_names_are_read_first_and_the_older_still_work():
+    from router.scheduling.slo import flow_id
+
+    o = objective_for({"x-llm-d-slo-ttft-ms": "200", "x-slo-ttft-ms": "900", "x-llm-d-inference-objective": "batch"},
+                      CONFIG)
+    assert (o.ttft_s, o.priority) == (0.2, -1)
+    with pytest.raises(ObjectiveError, match="x-llm-d-slo-tpot-ms"):
+        objective_for({"x-llm-d-slo-tpot-ms": "fast"}, CONFIG)
+    with pytest.raises(ObjectiveError, match="x-llm-d-inference-objective"):
+        objective_for({"x-llm-d-inference-objective": "platinum"}, CONFIG)
+    # the flow a held request waits in: the trusted tenant, else the fairness id it names
+    fair = {"x-gateway-inference-fairness-id": "team-a"}
+    assert flow_id(fair, None) == "team-a" and flow_id(fair, "acme") == "acme" and flow_id({}, None) is None
+    assert flow_id({"x-llm-d-inference-fairness-id": "b", **fair}, None) == "b"

@@ -50,7 +50,7 @@ from router.frontends.processes import ProcessSlot, start_shared_load
 from router.frontends.proxy import cached_tokens_of, output_tokens_from, usage_from
 from router.scheduling import Decision, Dispatch, RouteRequest, RoutingCore
 from router.scheduling.flow import FlowParams
-from router.scheduling.slo import OBJECTIVE_HEADER, TPOT_HEADER, TTFT_HEADER, SloConfig
+from router.scheduling.slo import OBJECTIVE_HEADER_NAMES, SloConfig, flow_id
 from router.tokenizer import PromptTokenizer
 
 log = logging.getLogger("kvrouter.epp")
@@ -178,7 +178,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         self.tenant_header = tenant_header.lower() if tenant_header else None
         self.tenant_missing = tenant_missing
         self.session_header = session_header.lower()
-        self.headers_read = frozenset({":path", self.session_header, TTFT_HEADER, TPOT_HEADER, OBJECTIVE_HEADER,
+        self.headers_read = frozenset({":path", self.session_header, *OBJECTIVE_HEADER_NAMES,
                                        *((self.tenant_header,) if tenant_header else ())})
         self.slo = slo or SloConfig()
         self.gate = FlowGate(core, flow or FlowParams())  # flow control (docs/slo.md); off unless enabled
@@ -305,7 +305,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 return [_immediate(e.status, str(e))]
             self.metrics.count_request("200")
             return [_immediate_json(200, json.dumps(answer).encode(), api_path(path)[1:])]
-        tenant: str | None = None  # the trusted tenant header's value: the flow a waiting request joins
+        tenant: str | None = None  # the trusted tenant header's value (the flow a waiting request joins, if set)
         if api_path(path) not in GENERATE_PATHS:
             rreq = RouteRequest(new_request_id(), [], 0, self.block_size, 1, subset=st.subset)
         else:
@@ -328,7 +328,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         self.metrics.decision_seconds.observe(time.monotonic() - st.started)
         # while the fleet is saturated the answer waits here (Envoy's ext_proc message_timeout must cover
         # flow_control.queue_timeout_s); a stream Envoy resets while it waits leaves the queue at once
-        decision = await self.gate.admit(rreq, decision, lambda now: self.core.decide(rreq, now), tenant)
+        decision = await self.gate.admit(rreq, decision, lambda now: self.core.decide(rreq, now),
+                                         flow_id(st.headers, tenant))
         self.metrics.count_decision(decision)
         if decision.outcome != "routed":
             st.refused = True

@@ -58,7 +58,7 @@ from router.index.digest import residency_digest
 from router.scheduling import Decision, Dispatch, RouteRequest, RoutingCore
 from router.scheduling.core import SATURATED_REASON
 from router.scheduling.disagg import PrefillPlan
-from router.scheduling.slo import NO_OBJECTIVE, ServiceObjective
+from router.scheduling.slo import NO_OBJECTIVE, ServiceObjective, flow_id
 from router.tokenizer import PromptTokenizer, load_tokenizer
 
 log = logging.getLogger("kvrouter.proxy")
@@ -266,7 +266,8 @@ class ProxyServer:
                                                objective=objective)
         decision = self._decide(rreq, request, started)
         # while the fleet is saturated the request waits here; a client that leaves is cancelled out of the queue
-        decision = await self.gate.admit(rreq, decision, lambda now: self.core.decide(rreq, now), tenant)
+        decision = await self.gate.admit(rreq, decision, lambda now: self.core.decide(rreq, now),
+                                         flow_id(request.headers, tenant))
         if decision.outcome != "routed":
             return self._refusal(decision, objective=objective)
         headers = self._upstream_headers(request, salt)

@@ -1,9 +1,14 @@
 """Per-request service objectives: TTFT and TPOT targets and a priority, and whether a finished request met them.
 
 Where they come from, in the peers' vocabulary so their clients work unchanged:
-- llm-d's predicted-latency routing reads the targets from ``x-slo-ttft-ms`` and ``x-slo-tpot-ms``;
-- the Gateway API Inference Extension names an InferenceObjective in ``x-gateway-inference-objective``; the
-  objective (here: ``slo.objectives`` in config) carries the priority, negative meaning sheddable;
+- llm-d's predicted-latency routing reads the targets from ``x-llm-d-slo-ttft-ms`` and ``x-llm-d-slo-tpot-ms``
+  (its earlier releases: ``x-slo-ttft-ms``, ``x-slo-tpot-ms``; both are read, the newer first);
+- the Gateway API Inference Extension names an InferenceObjective in ``x-gateway-inference-objective`` (llm-d's
+  router: ``x-llm-d-inference-objective``); the objective (here: ``slo.objectives`` in config) carries the
+  priority, negative meaning sheddable;
+- their flow control's fairness id (``x-llm-d-inference-fairness-id``, ``x-gateway-inference-fairness-id``) names
+  the flow a request waits in, unless a trusted tenant header is configured: then the tenant is the flow
+  (``flow_id``), so a client cannot claim more flows, and more of the fleet, than it has;
 - config gives defaults per model and per tenant (``slo.models``, ``slo.tenants``), so a platform team can state
   an objective for traffic whose clients send nothing.
 
@@ -22,9 +27,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-TTFT_HEADER = "x-slo-ttft-ms"  # llm-d's
-TPOT_HEADER = "x-slo-tpot-ms"  # llm-d's
-OBJECTIVE_HEADER = "x-gateway-inference-objective"  # the Gateway API Inference Extension's
+TTFT_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")  # llm-d's, newer first
+TPOT_HEADERS = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")
+OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")  # llm-d's, GIE's
+FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
+OBJECTIVE_HEADER_NAMES = frozenset(TTFT_HEADERS + TPOT_HEADERS + OBJECTIVE_HEADERS + FAIRNESS_HEADERS)
 MAX_TARGET_MS = 24 * 3600 * 1000.0  # a target longer than a day is a client's mistake, not an objective
 
 
@@ -93,17 +100,32 @@ def parse_target_ms(header: str, text: str) -> float:
     return ms / 1000.0
 
 
+def _header(headers: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str | None]:
+    """The first of ``names`` the request carries, and its value (the last name and None: none)."""
+    for name in names:
+        value = headers.get(name)
+        if value is not None:
+            return name, value
+    return names[-1], None
+
+
+def flow_id(headers: Mapping[str, str], tenant: str | None) -> str | None:
+    """The flow a held request waits in (fairness between flows): the trusted tenant when there is one, else the
+    fairness id the request names (GIE's and llm-d's header), else none."""
+    return tenant if tenant is not None else _header(headers, FAIRNESS_HEADERS)[1]
+
+
 def objective_for(headers: Mapping[str, str], config: SloConfig, model: str | None = None,
                   tenant: str | None = None) -> ServiceObjective:
     """The objective of one request: the named objective (header) or the tenant's, the model's, the default, in
     that order; then the request's own target headers over that objective's targets. ``headers``' keys are
     lower-case (or a case-insensitive mapping). An unknown objective name is an ObjectiveError (a 400): a typo
     must not silently drop a request to the default priority."""
-    name = headers.get(OBJECTIVE_HEADER)
+    header, name = _header(headers, OBJECTIVE_HEADERS)
     if name is not None:
         name = name.strip()
         if name not in config.objectives:
-            raise ObjectiveError(f"{OBJECTIVE_HEADER}: no objective named {name[:80]!r}")
+            raise ObjectiveError(f"{header}: no objective named {name[:80]!r}")
     elif tenant is not None and tenant in config.tenants:
         name = config.tenants[tenant]
     elif model is not None and model in config.models:
@@ -111,11 +133,11 @@ def objective_for(headers: Mapping[str, str], config: SloConfig, model: str | No
     else:
         name = config.default
     base = config.objectives[name] if name is not None else NO_OBJECTIVE
-    ttft, tpot = headers.get(TTFT_HEADER), headers.get(TPOT_HEADER)
+    (ttft_header, ttft), (tpot_header, tpot) = _header(headers, TTFT_HEADERS), _header(headers, TPOT_HEADERS)
     if ttft is None and tpot is None:
         return base
-    return ServiceObjective(parse_target_ms(TTFT_HEADER, ttft) if ttft is not None else base.ttft_s,
-                            parse_target_ms(TPOT_HEADER, tpot) if tpot is not None else base.tpot_s,
+    return ServiceObjective(parse_target_ms(ttft_header, ttft) if ttft is not None else base.ttft_s,
+                            parse_target_ms(tpot_header, tpot) if tpot is not None else base.tpot_s,
                             base.priority, base.name)
 
 
@@ -151,5 +173,6 @@ def parse_slo_config(raw: Mapping[str, object] | None) -> SloConfig:
     return SloConfig(objectives, tables["models"], tables["tenants"], None if default is None else str(default))
 
 
-__all__ = ["NO_OBJECTIVE", "OBJECTIVE_HEADER", "TPOT_HEADER", "TTFT_HEADER", "ObjectiveError", "ServiceObjective",
-           "SloConfig", "objective_for", "parse_slo_config", "parse_target_ms"]
+__all__ = ["FAIRNESS_HEADERS", "NO_OBJECTIVE", "OBJECTIVE_HEADERS", "OBJECTIVE_HEADER_NAMES", "TPOT_HEADERS",
+           "TTFT_HEADERS", "ObjectiveError", "ServiceObjective", "SloConfig", "flow_id", "objective_for",
+           "parse_slo_config", "parse_target_ms"]
