@@ -264,3 +264,20 @@ def test_llm_ds_newer_header_names_are_read_first_and_the_older_still_work():
     fair = {"x-gateway-inference-fairness-id": "team-a"}
     assert flow_id(fair, None) == "team-a" and flow_id(fair, "acme") == "acme" and flow_id({}, None) is None
     assert flow_id({"x-llm-d-inference-fairness-id": "b", **fair}, None) == "b"
+
+
+def test_llm_ds_headroom_rule_on_the_same_predictions():
+    """llmd_predicted: the lowest blended latency without targets; with them the positive-headroom candidate
+    nearest the boundary (llm-d's default ``least``), else the smallest deficit, and a shed for priority < 0."""
+    from router.scheduling import RoutingConfig, RoutingCore
+    from router.scheduling.types import Endpoint
+
+    core, req = _fleet_with_a_cached_but_busy_worker()
+    peer = RoutingCore(RoutingConfig(policy="llmd_predicted", block_size=16, seed=1))
+    peer.state, peer.dispatches = core.state, core.dispatches  # the same fleet, in flight and all
+    assert isinstance(peer.endpoints["w0"], Endpoint)
+    assert list(peer.decide(req(NO_OBJECTIVE), 0.2).ranked) == ["w0", "w1"]  # w0's TTFT is the lower
+    assert peer.decide(req(ServiceObjective(10.0, None)), 0.2).ranked[0] == "w1"  # least headroom: bin-packing
+    assert peer.decide(req(ServiceObjective(0.1, None)), 0.2).ranked[0] == "w0"  # the only one with headroom
+    assert peer.decide(req(ServiceObjective(1e-4, None)), 0.2).ranked[0] == "w0"  # the smaller deficit
+    assert peer.decide(req(ServiceObjective(1e-4, None, -1)), 0.2).outcome == "shed"

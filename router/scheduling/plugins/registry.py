@@ -16,6 +16,7 @@ from router.scheduling.plugins.filters.not_draining import NotDraining
 from router.scheduling.plugins.filters.serves_model import ServesModel
 from router.scheduling.plugins.pickers.meets_objective import MeetsObjective
 from router.scheduling.plugins.pickers.min_score import MinScore
+from router.scheduling.plugins.pickers.peer_llmd_headroom import LlmdHeadroom
 from router.scheduling.plugins.pickers.peer_softmax import Softmax
 from router.scheduling.plugins.pickers.random_pick import RandomPick
 from router.scheduling.plugins.pickers.round_robin import RoundRobin
@@ -49,9 +50,9 @@ def register(cls: type[Plugin]) -> type[Plugin]:
 for _cls in (Healthy, NotDraining, InSubset, ServesModel, Admission,
              LatencyCost, Load, ApproxPrefix,
              MinScore, MeetsObjective, RandomPick, RoundRobin, SessionHash,
-             # the peers' algorithms (the llmd, llmd_affinity, dynamo, aibrix and preble profiles)
+             # the peers' algorithms (the llmd, llmd_predicted, llmd_affinity, dynamo, aibrix and preble profiles)
              LlmdPrecisePrefix, LlmdQueue, LlmdKvUtilization, LlmdTokenLoad, LlmdPrefixAffinity,
-             DynamoCost, Softmax, AibrixPrefixCache, PrebleE2):
+             DynamoCost, Softmax, AibrixPrefixCache, PrebleE2, LlmdHeadroom):
     register(_cls)
 
 
