@@ -138,3 +138,15 @@ async def test_ten_thousand_clients_that_leave_the_proxy_while_held_leave_nothin
         assert load is None or load.requests == 0  # none was dispatched, none is counted in flight
         async with aiohttp.ClientSession() as s, s.post(f"{url}/v1/completions", json=BODY) as r:
             assert r.status == 200
+
+
+async def test_a_completions_batch_is_routed_to_its_objective_and_shed_whole():
+    async with workers(1) as ws, proxy([spec_of(ws[0], "w0")], slo=SLO_RAW) as (server, url, _), \
+            aiohttp.ClientSession() as s:
+        await wait_until(lambda: server.core.endpoints["w0"].healthy, 10)
+        batch = {**BODY, "prompt": ["first " * 30, "second " * 30]}
+        async with s.post(f"{url}/v1/completions", json=batch, headers={
+                "x-gateway-inference-objective": "batch", "x-slo-ttft-ms": "0.001"}) as r:
+            assert r.status == 429 and "prompt[0]: no worker meets its objective" in (await r.json())["message"]
+        async with s.post(f"{url}/v1/completions", json=batch, headers={"x-gateway-inference-objective": "chat"}) as r:
+            assert r.status == 200 and len((await r.json())["choices"]) == 2

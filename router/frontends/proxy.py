@@ -258,7 +258,7 @@ class ProxyServer:
             self.metrics.count_request(e.status)
             return error(e.status, str(e), e.kind)
         if parsed.batch and parsed.kind == "completions" and not parsed.stream:
-            return await self._generate_batch(request, parsed, salt, started)
+            return await self._generate_batch(request, parsed, salt, started, objective)
         rid = new_request_id()  # ours: a client's x-request-id is forwarded, never used as a key
         lora = self.core.lora_of(parsed.model)
         rreq = await self.parser.route_request(parsed, rid, self.config.routing.block_size, lora=lora,
@@ -447,11 +447,12 @@ class ProxyServer:
 
     # ---- a completions batch, one routed request per prompt ------------------------------------------
     async def _generate_batch(self, request: Request, parsed: ParsedRequest, salt: SaltRule,
-                              started: float) -> Response:
+                              started: float, objective: ServiceObjective = NO_OBJECTIVE) -> Response:
         """Each prompt decided and dispatched in turn (so the next one's decision sees where the previous went:
         its load, its speculative prefix), before any is sent; then all forwarded at once, each with its own
         retries; the answers merged in prompt order. Any prompt refused at its decision refuses the batch
-        before anything is sent."""
+        before anything is sent. Each prompt is routed to the request's ``objective``; a batch is not held by
+        flow control (its prompts are dispatched together, or it is refused whole)."""
         subs = parsed.split()
         lora = self.core.lora_of(parsed.model)
         session = request.headers.get(self.config.session_header)
@@ -459,13 +460,13 @@ class ProxyServer:
         try:
             for i, sub in enumerate(subs):
                 rreq = await self.parser.route_request(sub, new_request_id(), self.config.routing.block_size,
-                                                       lora=lora, session=session)
+                                                       lora=lora, session=session, objective=objective)
                 decision = self._decide(rreq, request, started, batch_index=i)
                 if decision.outcome != "routed":
                     now = time.monotonic()
                     for *_, handle in plans:
                         handle.fail(now)
-                    return self._refusal(decision, f"prompt[{i}]: ")
+                    return self._refusal(decision, f"prompt[{i}]: ", objective)
                 plans.append((sub, rreq, decision, self.core.dispatch(rreq, decision, decision.ranked[0],
                                                                       time.monotonic())))
         except BaseException:
