@@ -172,12 +172,22 @@ def _epp(args: argparse.Namespace) -> int:
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
+    from router.config import ConfigError, load_config
     from router.frontends.envoy_config import bootstrap_yaml
 
+    queue_timeout_s = None
+    if args.config is not None:  # the picker's own config: ext_proc must wait as long as its queue holds
+        try:
+            flow = load_config(args.config, environ={}).flow_control
+        except ConfigError as e:
+            print(f"kvrouter envoy-config: {e}", file=sys.stderr)
+            return 2
+        queue_timeout_s = flow.queue_timeout_s if flow.enabled else None
     print(bootstrap_yaml(listen_port=args.listen_port, admin_port=args.admin_port, picker_port=args.picker_port,
                          workers=args.endpoint, body_mode=args.body_mode, fail_open=args.fail_open,
                          response_mode=args.response_mode,
-                         picker_streams_per_connection=args.picker_streams_per_connection), end="")
+                         picker_streams_per_connection=args.picker_streams_per_connection,
+                         queue_timeout_s=queue_timeout_s), end="")
     return 0
 
 
@@ -372,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     ec.add_argument("--picker-port", type=int, default=9002)
     ec.add_argument("--endpoint", action="append", required=True, help="ip:port of a worker (repeatable)")
     ec.add_argument("--body-mode", choices=["FULL_DUPLEX_STREAMED", "BUFFERED"], default="FULL_DUPLEX_STREAMED")
+    ec.add_argument("--config", default=None,
+                    help="the picker's YAML config: with flow_control enabled, ext_proc's message_timeout outlasts "
+                    "its queue_timeout_s (else 5 s)")
     ec.add_argument("--fail-open", action="store_true", help="failure_mode_allow: pass requests if the picker is down")
     ec.add_argument("--response-mode", choices=["full", "headers"], default="full",
                     help="headers: response bodies bypass the picker (lighter; no first-token timing or usage)")

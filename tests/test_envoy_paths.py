@@ -228,3 +228,31 @@ def test_picker_streams_per_connection_caps_the_picker_cluster_only():
     with pytest.raises(ValueError):
         bootstrap(listen_port=1, admin_port=2, picker_port=3, workers=["10.0.0.1:8000"],
                   picker_streams_per_connection=0)
+
+
+def test_ext_proc_message_timeout_outlasts_the_pickers_queue(tmp_path, capsys):
+    """A request held in the picker's flow-control queue is answered by the picker (served, or a 429 past its
+    queue deadline), never cut off by Envoy's ext_proc message_timeout first."""
+    from router.cli import main
+    from router.frontends.envoy_config import message_timeout
+
+    def timeout_of(cfg):
+        (ext,) = [f for f in hcm_of(cfg)["http_filters"] if f["name"] == EXT_PROC]
+        return ext["typed_config"]["message_timeout"]
+
+    plain = bootstrap(listen_port=1, admin_port=2, picker_port=3, workers=["10.0.0.1:8000"])
+    assert timeout_of(plain) == "5s"
+    queued = bootstrap(listen_port=1, admin_port=2, picker_port=3, workers=["10.0.0.1:8000"], queue_timeout_s=30)
+    assert timeout_of(queued) == "32s"
+    assert message_timeout(1.0) == "5s" and message_timeout(60.5) == "62.5s"
+    with pytest.raises(ValueError):
+        message_timeout(0)
+    # from the picker's own config file, only where flow control is on
+    conf = tmp_path / "kvrouter.yaml"
+    for enabled, want in ((True, "47s"), (False, "5s")):
+        conf.write_text(f"flow_control: {{enabled: {str(enabled).lower()}, queue_timeout_s: 45}}\n")
+        assert main(["envoy-config", "--endpoint", "10.0.0.1:8000", "--config", str(conf)]) == 0
+        assert timeout_of(yaml.safe_load(capsys.readouterr().out)) == want
+    conf.write_text("flow_control: {queue_timeout_s: -1}\n")
+    assert main(["envoy-config", "--endpoint", "10.0.0.1:8000", "--config", str(conf)]) == 2
+    assert "queue_timeout_s" in capsys.readouterr().err

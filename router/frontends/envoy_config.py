@@ -27,10 +27,25 @@ NOT_FOUND_BODY = json.dumps({"object": "error", "message": "Not Found: this gate
                             separators=(",", ":"))
 
 
+DEFAULT_MESSAGE_TIMEOUT_S = 5.0  # an ext_proc answer without flow control: a pick takes well under a millisecond
+QUEUE_ANSWER_HEADROOM_S = 2.0  # past the queue's deadline: the picker's 429 travelling back
+
+
+def message_timeout(queue_timeout_s: float | None) -> str:
+    """ext_proc's ``message_timeout`` (a protobuf Duration in YAML: ``"5s"``, ``"62.5s"``)."""
+    seconds = DEFAULT_MESSAGE_TIMEOUT_S
+    if queue_timeout_s is not None:
+        if not queue_timeout_s > 0:
+            raise ValueError(f"queue_timeout_s must be > 0, not {queue_timeout_s!r}")
+        seconds = max(seconds, queue_timeout_s + QUEUE_ANSWER_HEADROOM_S)
+    return f"{seconds:g}s"
+
+
 def bootstrap(*, listen_port: int, admin_port: int, picker_port: int, workers: list[str],
               body_mode: str = "FULL_DUPLEX_STREAMED", fail_open: bool = False, picker_host: str = "127.0.0.1",
               buffer_limit_bytes: int = 8 * 1024 * 1024, retries: int = 2, with_picker: bool = True,
-              response_mode: str = "full", picker_streams_per_connection: int | None = None) -> dict[str, Any]:
+              response_mode: str = "full", picker_streams_per_connection: int | None = None,
+              queue_timeout_s: float | None = None) -> dict[str, Any]:
     """``workers``: "ip:port" of every endpoint the picker may choose (the InferencePool's members).
 
     ``with_picker=False``: the same Envoy without ext_proc (round robin), the baseline of ``bench epp``.
@@ -40,6 +55,11 @@ def bootstrap(*, listen_port: int, admin_port: int, picker_port: int, workers: l
     ``picker_streams_per_connection``: for a picker run as ``kvrouter epp --processes N``. Envoy multiplexes every
     ext_proc stream onto one HTTP/2 connection per worker thread, which lands on one process; capped, it opens
     more connections, which SO_REUSEPORT spreads over the processes.
+    ``queue_timeout_s``: the picker's ``flow_control.queue_timeout_s`` where flow control is on. The picker holds
+    its answer to the request's headers while the request waits in its queue, and Envoy gives up on an ext_proc
+    answer after ``message_timeout`` (then fails the request, or with ``fail_open`` skips the picker): the
+    timeout is made to outlast the queue's own deadline, so a held request is answered by the picker, with a 429
+    and Retry-After if it waited too long, never cut off by Envoy.
     """
     if response_mode not in ("full", "headers"):
         raise ValueError(f"response_mode must be full or headers, not {response_mode!r}")
@@ -59,7 +79,7 @@ def bootstrap(*, listen_port: int, admin_port: int, picker_port: int, workers: l
             "grpc_service": {"envoy_grpc": {"cluster_name": "kvrouter_epp"}, "timeout": "10s"},
             "failure_mode_allow": fail_open,
             "processing_mode": processing_mode,
-            "message_timeout": "5s",
+            "message_timeout": message_timeout(queue_timeout_s),
             "allow_mode_override": False,
             "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
             "response_attributes": ["upstream.address", "upstream.request_attempt_count"],
