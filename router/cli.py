@@ -111,6 +111,12 @@ def _sim(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from router.calibrate import main as calibrate_main
+
+    return calibrate_main(args)
+
+
 def _load_router_config(args: argparse.Namespace, extra: dict) -> object:
     from router.config import load_config
     from router.discovery import parse_worker_arg
@@ -398,6 +404,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim_arguments(sp)
     sp.set_defaults(handler=_sim)
+
+    cb = sub.add_parser("calibrate", help="measure a live engine's step costs and write a timing file "
+                        "(kvrouter sim --timing, routing.timing_file)")
+    from router.calibrate import add_arguments as calibrate_arguments
+
+    calibrate_arguments(cb)
+    cb.set_defaults(handler=_calibrate)
 
     pl = sub.add_parser("plugins", help="list every registered filter, scorer, picker and profile")
     pl.add_argument("--config", help="YAML config whose scheduling section (imports, plugins, profiles) to include")

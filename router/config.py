@@ -23,6 +23,7 @@ import yaml
 from router.discovery import WorkerSpec, parse_worker_arg
 from router.discovery.static import _spec
 from router.scheduling import CostParams, RoutingConfig, SchedulingConfig
+from router.scheduling.engine_profile import read_timing_file
 from router.scheduling.flow import FlowParams, parse_flow_params
 from router.scheduling.profiles import ProfileError, build_profile, parse_scheduling
 from router.scheduling.slo import ObjectiveError, SloConfig, parse_slo_config
@@ -343,9 +344,28 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         raise
 
 
+def _with_timing_file(routing: dict[str, Any], where: str) -> dict[str, Any]:
+    """``routing.timing_file`` (``kvrouter calibrate --out``): its coefficients and token budget become the
+    cost model's prior, under any ``routing.cost`` key given explicitly."""
+    routing = dict(routing)
+    path = routing.pop("timing_file")
+    try:
+        spec = read_timing_file(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where}.routing.timing_file: {e}") from None
+    prior: dict[str, Any] = dict(spec.coefficients)
+    if spec.step_token_budget is not None:
+        prior["step_token_budget"] = spec.step_token_budget
+    cost = routing.get("cost")
+    routing["cost"] = {**prior, **cost} if isinstance(cost, dict) else (cost if cost is not None else prior)
+    return routing
+
+
 def _finish(data: dict[str, Any], where: str) -> RouterConfig:
     scheduling = data.pop("scheduling", None)
     routing = data.get("routing")
+    if isinstance(routing, dict) and routing.get("timing_file") is not None:
+        routing = data["routing"] = _with_timing_file(routing, where)
     if scheduling is not None and (routing is None or isinstance(routing, dict)):
         # the profiles must be known before routing.policy names one
         data["routing"] = {**(routing or {}), "scheduling": _check(scheduling, SchedulingConfig,

@@ -10,6 +10,7 @@ import time
 from router.scheduling import BUILTIN_PROFILES as POLICIES
 from router.scheduling import RoutingConfig
 from router.scheduling.disagg import MODES, DisaggParams
+from router.scheduling.engine_profile import read_timing_file
 from sim.oracle import ORACLE, sim_routing
 from sim.report import Progress, plots, stable_json, table
 from sim.runner import SimConfig, Simulation, pooled, summarise
@@ -59,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=EngineConfig.max_model_len,
                    help="engine context limit in tokens: longer requests (prompt + output) are rejected, as a real "
                         "engine answers 400, and counted per policy as 'rejected' (default %(default)s)")
-    p.add_argument("--timing", default=None, help="YAML/JSON overriding the engine timing model")
+    p.add_argument("--timing", default=None, help="YAML/JSON overriding the engine timing model (kvrouter calibrate "
+                   "--out writes one; its step_token_budget is the engines' max_num_batched_tokens)")
     p.add_argument("--json", action="store_true", help="print JSON with stable keys instead of the table")
     p.add_argument("--plots", default=None, metavar="DIR",
                    help="write PNGs here (TTFT CDF and hit/load; with --suite one per scenario); needs "
@@ -91,9 +93,12 @@ def run(args: argparse.Namespace) -> int:
         args.block_size = 512 if args.trace else 16
     if args.gpu_blocks is None:
         args.gpu_blocks = args.kv_tokens // args.block_size
-    timing = TimingModel.from_file(args.timing) if args.timing else TimingModel()
+    timing, budget = TimingModel(), EngineConfig.max_num_batched_tokens
+    if args.timing:  # a calibrated engine: its coefficients, and its token budget where the file has one
+        timing = TimingModel.from_file(args.timing)
+        budget = read_timing_file(args.timing).step_token_budget or budget
     engine = EngineConfig(num_gpu_blocks=args.gpu_blocks, block_size=args.block_size, cpu_blocks=args.cpu_blocks,
-                          max_model_len=args.max_model_len, timing=timing)
+                          max_model_len=args.max_model_len, timing=timing, max_num_batched_tokens=budget)
     source = args.trace or args.workload
     workloads = [_workload(args, seed) for seed in range(args.seed, args.seed + max(1, args.seeds))]
     requests = [r for w in workloads for r in w]

@@ -17,11 +17,15 @@ squares, with Huber weights so one stalled request cannot. ``RobustLine`` can fi
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,50 @@ class StepTiming:
 
 
 DEFAULT_TIMING = StepTiming()
+TIMING_KEYS = tuple(f.name for f in fields(StepTiming))
+
+
+@dataclass(frozen=True)
+class TimingFile:
+    """A timing file (``kvrouter calibrate --out``, or written by hand): coefficients that override the
+    defaults, and the engine's token budget where it says."""
+
+    coefficients: dict[str, float]
+    step_token_budget: int | None = None
+
+    def timing(self) -> StepTiming:
+        return StepTiming(**self.coefficients)
+
+
+def parse_timing(data: Mapping[str, Any] | None, where: str) -> TimingFile:
+    """The keys: any of ``StepTiming``'s fields, ``step_token_budget`` (an integer, or null: not known) and
+    ``calibration`` (how it was measured, for people: ignored). Any other key is an error naming it."""
+    data = dict(data or {})
+    data.pop("calibration", None)
+    budget = data.pop("step_token_budget", None)
+    bad = set(data) - set(TIMING_KEYS)
+    if bad:
+        raise ValueError(f"{where}: unknown timing keys {sorted(bad)}; known: "
+                         f"{sorted([*TIMING_KEYS, 'step_token_budget', 'calibration'])}")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+        raise ValueError(f"{where}: step_token_budget must be a positive integer, not {budget!r}")
+    try:
+        coefficients = {k: float(v) for k, v in data.items()}
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: every timing coefficient must be a number") from None
+    return TimingFile(coefficients, budget)
+
+
+def read_timing_file(path: str | Path) -> TimingFile:
+    """A YAML (``.yaml``/``.yml``) or JSON timing file (``parse_timing``)."""
+    text = Path(path).read_text()
+    try:
+        data = yaml.safe_load(text) if str(path).endswith((".yaml", ".yml")) else json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid YAML/JSON: {e}") from None
+    if data is not None and not isinstance(data, Mapping):
+        raise ValueError(f"{path}: a timing file is a mapping of coefficients")
+    return parse_timing(data, str(path))
 
 
 class RobustLine:

@@ -9,13 +9,10 @@ running decodes along, so it costs max(prefill, decode). CPU-tier hits cost a lo
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import yaml
-
-from router.scheduling.engine_profile import StepTiming
+from router.scheduling.engine_profile import StepTiming, read_timing_file
 
 
 @dataclass(frozen=True)
@@ -30,14 +27,9 @@ class TimingModel(StepTiming):
 
     @classmethod
     def from_file(cls, path: str | Path) -> TimingModel:
-        """Override any coefficient from a YAML or JSON mapping; unknown keys are an error."""
-        text = Path(path).read_text()
-        data = yaml.safe_load(text) if str(path).endswith((".yaml", ".yml")) else json.loads(text)
-        known = {f.name for f in fields(cls)}
-        bad = set(data or {}) - known
-        if bad:
-            raise ValueError(f"{path}: unknown timing keys {sorted(bad)}; known: {sorted(known)}")
-        return cls(**{k: float(v) for k, v in (data or {}).items()})
+        """Override any coefficient from a timing file (``read_timing_file``: YAML or JSON, unknown keys an
+        error); its ``step_token_budget``, if any, is the engine's ``max_num_batched_tokens``, read by callers."""
+        return cls(**read_timing_file(path).coefficients)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

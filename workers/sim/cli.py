@@ -7,6 +7,7 @@ import logging
 
 from aiohttp import web
 
+from router.scheduling.engine_profile import read_timing_file
 from router.tokenizer import DEFAULT_TOKENIZER_DIR, PromptTokenizer
 from workers.engine import EngineConfig, EngineModel, TimingModel
 from workers.sim.publisher import KvEventPublisher
@@ -29,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-gpu-blocks", type=int, default=4096)
     p.add_argument("--cpu-blocks", type=int, default=0, help="CPU offload tier capacity in blocks (0: none)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the step token budget (default: the --timing file's step_token_budget, else 8192)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--timing", default=None, help="YAML/JSON file overriding the timing model's coefficients")
@@ -38,9 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build_worker(args: argparse.Namespace) -> SimWorker:
     tok = PromptTokenizer(args.tokenizer)
     timing = TimingModel.from_file(args.timing) if args.timing else TimingModel()
+    budget = args.max_num_batched_tokens
+    if budget is None:
+        budget = (read_timing_file(args.timing).step_token_budget if args.timing else None) or 8192
     engine = EngineModel(EngineConfig(
         num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size, cpu_blocks=args.cpu_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, vocab_size=tok.vocab_size, timing=timing,
     ))
     publisher = None
