@@ -73,6 +73,7 @@ class PolicyRun:
             "ttft_p99_s": p99(ttft),
             "ttft_mean_s": statistics.fmean(ttft),
             "e2e_mean_s": statistics.fmean(self.e2e) if self.e2e else float("nan"),
+            "e2e_p99_s": p99(sorted(self.e2e)) if self.e2e else float("nan"),
             "throughput_tok_s": self.output_tokens / self.wall_s if self.wall_s else 0.0,
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "errors": self.errors,
@@ -143,10 +144,11 @@ async def reset_workers(worker_urls: list[str]) -> None:
 
 
 async def run_policy(policy: str, workers: list[str], worker_urls: list[str], workload: list[DemoRequest],
-                     progress: bool) -> PolicyRun:
-    """One of our policies through ``kvrouter serve`` (in this process)."""
+                     progress: bool, block_size: int = 16, overrides: dict[str, Any] | None = None) -> PolicyRun:
+    """One of our policies through ``kvrouter serve`` (in this process); ``overrides``: more config keys."""
     await reset_workers(worker_urls)
-    cfg = load_config(None, {"routing.policy": policy, "routing.block_size": 16, "probe_interval_s": 0.5})
+    cfg = load_config(None, {"routing.policy": policy, "routing.block_size": block_size, "probe_interval_s": 0.5,
+                             **(overrides or {})})
     cfg.workers = [parse_worker_arg(w) for w in workers]
     server = ProxyServer(cfg)
     await server.start()

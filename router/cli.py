@@ -445,6 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
         "soak": "the proxy for minutes under mixed load, bad input and worker kills: RSS, /health, 5xx; PASS/FAIL",
         "bus": "synthetic engine streams through relays and NATS JetStream into 2 replicas: block-events/s, exact",
         "replicas": "1, 2 and 4 proxy replicas on the event bus, shared load on and off: TTFT and hit rate",
+        "fidelity": "one workload through the live proxy on real vLLM engines and through the simulator with "
+                    "their calibrated timing: per policy sim/real TTFT, E2E, hit rate, rank agreement",
     }
     for name, help_text in benches.items():
         bp = bsub.add_parser(name, help=help_text)
@@ -466,6 +468,10 @@ def build_parser() -> argparse.ArgumentParser:
             bp.add_argument("--layout", choices=["compact", "dicts"], default=None, help="with --blocks (compact)")
         if name == "bus":
             bp.add_argument("--streams", type=int, default=None, help="engine streams (default 1000; 20 with --quick)")
+        if name == "fidelity":
+            from bench.fidelity_bench import add_arguments as fidelity_arguments
+
+            fidelity_arguments(bp)
         if name == "soak":
             bp.add_argument("--duration", type=float, default=None,
                             help="seconds of load (default 600; 60 with --quick)")
