@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -164,6 +165,46 @@ async def engine_histograms(urls: list[str]) -> dict[str, tuple[float, float]]:
     return out
 
 
+def group_schedstat(pgids: list[int]) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of every thread of every process in these
+    process groups (the engines: each its own session), from /proc/PID/task/TID/schedstat."""
+    run = wait = 0.0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) not in pgids:
+                continue
+            for task in (proc / "task").iterdir():
+                fields = (task / "schedstat").read_text().split()
+                run += int(fields[0]) / 1e9
+                wait += int(fields[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue  # a process that ended meanwhile
+    return run, wait
+
+
+@dataclass
+class CpuWatch:
+    """What the machine did around one policy's run: this process's CPU (the proxy and the load generator share
+    the engines' cores here) and the engines' time on and waiting for a CPU."""
+
+    pgids: list[int]
+
+    def __enter__(self) -> CpuWatch:
+        self.t0, self.cpu0 = time.monotonic(), time.process_time()
+        self.sched0 = group_schedstat(self.pgids) if self.pgids else (0.0, 0.0)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        wall = time.monotonic() - self.t0
+        run, wait = group_schedstat(self.pgids) if self.pgids else (0.0, 0.0)
+        self.figures = {"router_and_client_cpu_share": (time.process_time() - self.cpu0) / wall}
+        if self.pgids:
+            self.figures |= {"engines_cpu_share": (run - self.sched0[0]) / wall / len(self.pgids),
+                             "engines_waiting_share": (wait - self.sched0[1]) / wall / len(self.pgids)}
+
+
 def engine_side(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
     """The engines' own means over one run: what they measured, without the proxy and the client around them."""
     out = {}
@@ -186,6 +227,12 @@ def simulate(requests: list[SimRequest], policy: str, fleet: Fleet, coefficients
     return figures([r.ttft for r in done], [r.finished_at - r.arrival for r in done], [r.tpot for r in done],
                    sum(r.prompt_tokens for r in done), sum(r.cached_tokens for r in done),
                    len(result.records) - len(done))
+
+
+def median_round(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The round whose mean TTFT is the median (a real run, not a blend), with every round's mean TTFT."""
+    chosen = sorted(runs, key=lambda r: r["ttft_mean_s"])[len(runs) // 2]
+    return chosen | {"rounds_ttft_mean_s": [r["ttft_mean_s"] for r in runs]}
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -217,12 +264,13 @@ def compare(real: dict[str, dict[str, float]], simulated: dict[str, dict[str, fl
 
 @contextlib.contextmanager
 def fleet_urls(args: argparse.Namespace, fleet: Fleet, workdir: Path):  # type: ignore[no-untyped-def]
-    """(worker specs, worker URLs, served model name) of the engines, stopped on exit."""
+    """(worker specs, worker URLs, served model name, the engines' process groups) of the engines, stopped on
+    exit."""
     if args.backend == "sim":
         timing = ["--timing", args.timing] if args.timing else []
         with contextlib.ExitStack() as stack:
             ws = sim_workers(stack, fleet.engines, *fleet.sim_flags(), *timing, replay=True)
-            yield [w.spec for w in ws], [w.url for w in ws], "sim-model"
+            yield [w.spec for w in ws], [w.url for w in ws], "sim-model", []
         return
     from workers.vllm.engines import Engine, build_tiny_model, engine_port, running
 
@@ -234,7 +282,8 @@ def fleet_urls(args: argparse.Namespace, fleet: Fleet, workdir: Path):  # type: 
                     env=(("CUDA_VISIBLE_DEVICES", str(i)),) if args.gpu else ())
              for i in range(fleet.engines)]
     with running(group):
-        yield [e.spec for e in group], [e.url for e in group], group[0].served_name
+        yield ([e.spec for e in group], [e.url for e in group], group[0].served_name,
+               [e.proc.pid for e in group if e.proc is not None])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -245,7 +294,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvrouter-fidelity-") as tmp:
         workdir = Path(tmp)
-        with fleet_urls(args, fleet, workdir) as (specs, urls, model):
+        with fleet_urls(args, fleet, workdir) as (specs, urls, model, pgids):
             print(f"fidelity: {len(urls)} {args.backend} engines up in {time.monotonic() - started:.0f} s",
                   file=sys.stderr, flush=True)
             timing_path = args.timing
@@ -261,15 +310,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             timing_doc = yaml.safe_load(Path(timing_path).read_text())
             coefficients = read_timing_file(timing_path).coefficients
             live = live_requests(requests, model)
-            real: dict[str, dict[str, float]] = {}
-            for policy in policies:
-                overrides = {"routing.timing_file": timing_path}
-                before = asyncio.run(engine_histograms(urls))
-                pr = asyncio.run(run_policy(policy, specs, urls, live, True, fleet.block_size, overrides))
-                real[policy] = live_figures(pr) | engine_side(before, asyncio.run(engine_histograms(urls)))
+            rounds: dict[str, list[dict[str, float]]] = {p: [] for p in policies}
+            for r in range(args.rounds):  # each round in a rotated order: no policy always runs first
+                for policy in policies[r % len(policies):] + policies[:r % len(policies)]:
+                    overrides = {"routing.timing_file": timing_path}
+                    before = asyncio.run(engine_histograms(urls))
+                    with CpuWatch(pgids) as cpu:
+                        pr = asyncio.run(run_policy(policy, specs, urls, live, True, fleet.block_size, overrides))
+                    rounds[policy].append(live_figures(pr) | engine_side(before, asyncio.run(engine_histograms(urls)))
+                                          | cpu.figures)
+            real = {p: median_round(rounds[p]) for p in policies}
     simulated = {p: simulate(requests, p, fleet, coefficients, args.seed) for p in policies}
     out = compare(real, simulated)
-    out.update({"backend": args.backend, "engines": fleet.engines, "requests": len(requests),
+    out.update({"backend": args.backend, "engines": fleet.engines, "requests": len(requests), "rounds": args.rounds,
                 "fleet": fleet.__dict__, "timing": {k: timing_doc.get(k) for k in (*TIMING_KEYS, "step_token_budget")
                                                      if k in timing_doc},
                 "calibration_residuals": {k: (timing_doc.get("calibration") or {}).get(k)
@@ -292,6 +345,11 @@ def table(res: dict[str, Any]) -> str:
         f"{p} client {row['real']['tpot_mean_s'] * 1e3:.2f}"
         + (f", engine {row['real']['engine_itl_mean_s'] * 1e3:.2f}" if "engine_itl_mean_s" in row["real"] else "")
         + f", sim {row['sim']['tpot_mean_s'] * 1e3:.2f}" for p, row in res["policies"].items()))
+    cpu = [(p, row["real"]) for p, row in res["policies"].items() if "engines_waiting_share" in row["real"]]
+    if cpu:
+        lines.append("CPU: " + "; ".join(
+            f"{p} router+client {r['router_and_client_cpu_share']:.0%} of a core, engines on CPU "
+            f"{r['engines_cpu_share']:.0%} and waiting for one {r['engines_waiting_share']:.0%}" for p, r in cpu))
     tau = res["kendall_tau"]
     lines.append(f"Kendall tau (real vs sim over the policies): TTFT {tau['ttft_mean_s']:.2f}, E2E "
                  f"{tau['e2e_mean_s']:.2f}, hit rate {tau['hit_rate']:.2f}; TTFT order of {', '.join(RANKED)}: "
@@ -336,6 +394,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timing", default=None, help="a timing file (kvrouter calibrate --out) instead of calibrating")
     p.add_argument("--policies", default=None, help=f"comma-separated (default {','.join(POLICIES)})")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every policy N times (order rotated each round); the median round by mean TTFT")
     p.add_argument("--chart", default=None, help="write a PNG chart here")
 
 

@@ -30,7 +30,7 @@ from sim.workload import SimRequest
 from workers.engine import EngineConfig, EngineModel, EngineRequest, StepResult
 from workers.engine.metrics import engine_scrape
 
-SCRAPE, ARRIVE, STEP_END, EVENTS, RESTART, KV_ARRIVE = 0, 1, 2, 3, 4, 5
+SCRAPE, ARRIVE, STEP_END, EVENTS, RESTART, KV_ARRIVE, JOIN, DRAIN = 0, 1, 2, 3, 4, 5, 6, 7
 
 
 @dataclass
@@ -67,6 +67,11 @@ class SimConfig:
     # flow control (router/scheduling/flow.py): requests held in the router while the fleet is saturated, as the
     # live router holds them with the same queue; None or disabled: every request is dispatched on arrival
     flow: FlowParams | None = None
+    # a fleet that changes: per worker index, the time it joins (with an empty cache; not an endpoint before:
+    # discovery has not seen it), and the time it is drained (no new requests; it finishes its own, then leaves
+    # the fleet and the index, as a terminating pod does)
+    joins: dict[int, float] = field(default_factory=dict)
+    drains: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -111,6 +116,7 @@ class SimResult:
     timeline: list[tuple[float, float, list[int]]]  # (time, cumulative hit rate, in-flight per worker)
     decisions: int
     wall_s: float = 0.0
+    membership: list[tuple[float, str, str]] = field(default_factory=list)  # (time, worker, joined|drained|left)
 
 
 class Simulation:
@@ -126,8 +132,11 @@ class Simulation:
             raise ValueError("every engine of a simulation has the same block size")
         self.engines = {w: EngineModel(self.engine_configs[w]) for w in self.ids}
         self.generation = dict.fromkeys(self.ids, 0)  # engine process generation: a restart starts a new one
-        for i, w in enumerate(self.ids):
-            self.core.upsert_endpoint(Endpoint(w, f"10.0.0.{i + 1}:8000", role=config.roles.get(i, "both")))
+        for i in range(len(self.ids)):
+            if i not in config.joins:
+                self.core.upsert_endpoint(self._endpoint(i))
+        self.leaving: set[str] = set()  # drained, still finishing their requests
+        self.membership: list[tuple[float, str, str]] = []
         self.disaggregated = any(r in ("prefill", "decode") for r in config.roles.values())
         # split requests: prefill request id -> (the client's request, its tokens, its decode worker, prefill worker)
         self.prefilling: dict[str, tuple[SimRequest, np.ndarray, str, str]] = {}
@@ -151,6 +160,28 @@ class Simulation:
             if attach is not None:
                 attach(self)
 
+    def _endpoint(self, i: int) -> Endpoint:
+        return Endpoint(self.ids[i], f"10.0.0.{i + 1}:8000", role=self.config.roles.get(i, "both"))
+
+    def _join(self, i: int, now: float) -> None:
+        self.core.upsert_endpoint(self._endpoint(i))
+        self.membership.append((now, self.ids[i], "joined"))
+
+    def _drain(self, i: int, now: float) -> None:
+        w = self.ids[i]
+        self.core.set_draining(w, True)
+        self.membership.append((now, w, "drained"))
+        self.leaving.add(w)
+        self._leave_if_done(w, now)
+
+    def _leave_if_done(self, w: str, now: float) -> None:
+        """A drained worker with nothing left to do (nothing running, queued, or prefilled for it) leaves."""
+        if w in self.leaving and not self.engines[w].has_work and not any(
+                split[2] == w for split in self.prefilling.values()):
+            self.leaving.discard(w)
+            self.core.remove_endpoint(w)
+            self.membership.append((now, w, "left"))
+
     def _push(self, t: float, kind: int, data: object) -> None:
         heapq.heappush(self.heap, (t, next(self.counter), kind, data))
 
@@ -172,6 +203,10 @@ class Simulation:
                     self._push(f.restart_at, RESTART, self.ids[i])
             if self.config.restart_busiest_at is not None:
                 self._push(self.config.restart_busiest_at, RESTART, None)
+            for i, t in self.config.joins.items():
+                self._push(t, JOIN, i)
+            for i, t in self.config.drains.items():
+                self._push(t, DRAIN, i)
         done = 0
         total = len(self.requests)
         now = 0.0
@@ -212,6 +247,10 @@ class Simulation:
                     self._push(now + self.config.scrape_interval_s, SCRAPE, None)
             elif kind == KV_ARRIVE:
                 self._kv_arrived(data, now)  # type: ignore[arg-type]
+            elif kind == JOIN:
+                self._join(data, now)  # type: ignore[arg-type]
+            elif kind == DRAIN:
+                self._drain(data, now)  # type: ignore[arg-type]
             elif kind == RESTART:
                 lost = self._restart(data, now)  # type: ignore[arg-type]
                 done += lost
@@ -234,7 +273,7 @@ class Simulation:
             if rec.worker and rec.outcome == "routed":
                 per_worker[rec.worker] += rec.prompt_tokens
         return SimResult(self.core.policy_name, records, end, per_worker, timeline, len(records),
-                         _time.perf_counter() - started)
+                         _time.perf_counter() - started, self.membership)
 
     # ---- events ----------------------------------------------------------------------------------
     def route_request(self, r: SimRequest, tokens: np.ndarray) -> RouteRequest:
@@ -337,9 +376,10 @@ class Simulation:
         return True
 
     def _scrape(self, now: float) -> None:
-        update = self.core.update_metrics
+        update, endpoints = self.core.update_metrics, self.core.state.endpoints
         for w, engine in self.engines.items():
-            update(w, engine_scrape(engine, now))
+            if w in endpoints:  # a worker not yet joined, or gone, is not scraped
+                update(w, engine_scrape(engine, now))
 
     def _start_step(self, w: str, now: float) -> None:
         # nothing reaches this engine before the next arrival: let pure decode runs fast-forward to it
@@ -377,6 +417,8 @@ class Simulation:
         self.busy[w] = False
         if self.engines[w].has_work:
             self._start_step(w, now)
+        elif self.leaving:
+            self._leave_if_done(w, now)
         return finished
 
     def _prefilled(self, req: EngineRequest, split: tuple[SimRequest, np.ndarray, str, str], now: float) -> None:
@@ -504,7 +546,60 @@ def summarise(result: SimResult) -> dict[str, Any]:
         "goodput_rps": attainment["all"]["goodput_rps"],
         "slo_by_priority": attainment["by_priority"],
         "slo_by_tenant": attainment["by_tenant"],
+        "fleet_changes": fleet_changes(result),
     }
+
+
+FAIR_SHARE_WINDOW_S = 5.0  # a joined worker's share of arrivals is counted over windows this long
+FAIR_SHARE_TARGET = 0.8  # "at its fair share": this fraction of 1 / (workers in the fleet)
+AROUND_S = 15.0  # the TTFT before and after a join is the mean over arrivals this close to it
+
+
+def fleet_changes(result: SimResult) -> dict[str, Any] | None:
+    """How the fleet took each change: for a joined worker, how long until its share of the arrivals (over
+    ``FAIR_SHARE_WINDOW_S`` windows sliding by 1 s) reached ``FAIR_SHARE_TARGET`` of a fair one, and the mean TTFT
+    just before and after; for a drained worker, the requests routed to it after the drain (none should be),
+    those it failed, and how long it took to finish its own and leave. None: the fleet did not change."""
+    if not result.membership:
+        return None
+    routed = sorted((r for r in result.records if r.worker is not None), key=lambda r: r.arrival)
+    arrivals = np.array([r.arrival for r in routed])
+    end = float(arrivals[-1]) if len(arrivals) else 0.0
+    members = len(result.per_worker_prompt_tokens) - sum(1 for _, _, what in result.membership if what == "joined")
+    joins, drains = [], []
+
+    def mean_ttft(lo: float, hi: float) -> float | None:
+        ts = [r.ttft for r in routed if lo <= r.arrival < hi and r.ttft is not None]
+        return float(np.mean(ts)) if ts else None
+
+    for t, w, what in result.membership:
+        if what == "joined":
+            members += 1
+            fair = 1.0 / members
+            reached = None
+            k = 0.0
+            while t + k + FAIR_SHARE_WINDOW_S <= end:
+                lo, hi = np.searchsorted(arrivals, [t + k, t + k + FAIR_SHARE_WINDOW_S])
+                window = routed[lo:hi]
+                if window and sum(r.worker == w for r in window) / len(window) >= FAIR_SHARE_TARGET * fair:
+                    reached = k + FAIR_SHARE_WINDOW_S
+                    break
+                k += 1.0
+            first = [r for r in routed if t <= r.arrival < t + 30.0]
+            joins.append({"worker": w, "at_s": t, "fair_share": fair,
+                          "time_to_fair_share_s": reached,
+                          "share_first_30s": sum(r.worker == w for r in first) / len(first) if first else 0.0,
+                          "ttft_mean_before_s": mean_ttft(t - AROUND_S, t),
+                          "ttft_mean_after_s": mean_ttft(t, t + AROUND_S)})
+        elif what == "drained":
+            left = next((lt for lt, lw, lwhat in result.membership if lw == w and lwhat == "left" and lt >= t), None)
+            drains.append({"worker": w, "at_s": t,
+                           "routed_after_drain": sum(1 for r in routed if r.worker == w and r.arrival > t),
+                           "failed": sum(1 for r in result.records if r.worker == w and r.outcome == "failed"),
+                           "left_after_s": None if left is None else left - t})
+        elif what == "left":
+            members -= 1
+    return {"joins": joins, "drains": drains}
 
 
 def slo_attainment(records: Sequence[RequestRecord], makespan_s: float) -> dict[str, Any]:

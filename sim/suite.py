@@ -59,7 +59,8 @@ PRESSURE_GPU_BLOCKS_QUICK = 512
 WORKERS = 8
 SUMMARY_KEYS = ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "e2e_mean_s", "e2e_p99_s", "tpot_mean_s", "hit_rate",
                 "load_imbalance", "throughput_tok_s", "rejected", "failed", "shed", "no_endpoint", "completed",
-                "requests", "wall_s", "slo_attainment", "goodput_rps", "slo_by_priority", "slo_by_tenant")
+                "requests", "wall_s", "slo_attainment", "goodput_rps", "slo_by_priority", "slo_by_tenant",
+                "fleet_changes")
 
 
 @dataclass
@@ -75,6 +76,8 @@ class Setup:
     roles: dict[int, str] = field(default_factory=dict)  # prefill/decode disaggregation (default: all both)
     notes: dict[str, Any] = field(default_factory=dict)
     flow: FlowParams | None = None  # the router's flow control (router/scheduling/flow.py), the same for every profile
+    joins: dict[int, float] = field(default_factory=dict)  # a fleet that changes (SimConfig.joins, .drains)
+    drains: dict[int, float] = field(default_factory=dict)
 
     @property
     def fleet_cache_tokens(self) -> int:
@@ -217,6 +220,20 @@ def _noisy_tenant(quick: bool, _: Path) -> Setup:
                  notes={"offered_rps": rate, "capacity_rps": NOISY_TENANT_CAPACITY_RPS, "noisy_share": 10 / 13})
 
 
+SCALE_OUT_RATE = 24.0  # zipf-popular prefixes at 24/s: the eight workers busy, a ninth worth having
+
+
+def _scale_out(quick: bool, _: Path) -> Setup:
+    """Zipf-popular 4K-token prefixes on eight workers; a ninth joins with an empty cache a third of the way in,
+    and w0 is drained two thirds of the way in (it finishes its own requests, then leaves the fleet)."""
+    n = 600 if quick else 1800
+    span = n / SCALE_OUT_RATE
+    reqs = zipf_prefixes(n, 24, 4096, 1.1, (64, 256), 128, rate=SCALE_OUT_RATE, seed=5)
+    return Setup(reqs, SYNTH_ENGINE, workers=WORKERS + 1, joins={WORKERS: round(span / 3, 1)},
+                 drains={0: round(2 * span / 3, 1)}, notes={"joins": f"w{WORKERS} at {round(span / 3, 1)} s",
+                                                            "drains": f"w0 at {round(2 * span / 3, 1)} s"})
+
+
 def _slo_heterogeneous(quick: bool, _: Path) -> Setup:
     """The heterogeneous fleet (w0 with half the compute) under the shared-prefix groups at three times the
     heterogeneous scenario's rate, every request with tight targets (TTFT <= 100 ms, TPOT <= 15 ms: the slow
@@ -259,6 +276,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "capacity, flow control on", _noisy_tenant),
     Scenario("slo_heterogeneous", "shared-prefix groups at 60/s on the heterogeneous fleet (w0 half speed), tight "
              "targets (TTFT 100 ms, TPOT 15 ms), flow control on", _slo_heterogeneous),
+    Scenario("scale_out", "zipf-popular prefixes at 24/s on 8 workers; a 9th joins cold at 1/3 of the run, w0 is "
+             "drained at 2/3", _scale_out),
 )}
 SUITES = {"standard": tuple(SCENARIOS)}
 
@@ -287,7 +306,7 @@ def run_scenario(scenario: Scenario, policies: Sequence[str], quick: bool = Fals
         routing = None if cost is None else sim_routing(name, setup.engine.block_size, seed, cost=cost)
         cfg = SimConfig(workers=setup.workers, policy=name, engine=setup.engine, engines=setup.engines,
                         faults=setup.faults, seed=seed, restart_busiest_at=setup.restart_busiest_at, routing=routing,
-                        roles=setup.roles, flow=setup.flow)
+                        roles=setup.roles, flow=setup.flow, joins=setup.joins, drains=setup.drains)
         res = Simulation(setup.requests, cfg).run()
         s = summarise(res)
         results[name] = {k: s[k] for k in SUMMARY_KEYS}
