@@ -21,7 +21,7 @@ import numpy as np
 
 from router.events.codec import EventBatch
 from router.heap import rare_collections
-from router.keys import chain_keys
+from router.keys import chain_keys, request_keys
 from router.scheduling import Decision, Endpoint, RouteRequest, RoutingConfig, RoutingCore
 from router.scheduling.flow import FlowParams, FlowQueue, Queued, saturated
 from router.scheduling.slo import NO_OBJECTIVE, ServiceObjective
@@ -72,6 +72,7 @@ class SimConfig:
     # the fleet and the index, as a terminating pod does)
     joins: dict[int, float] = field(default_factory=dict)
     drains: dict[int, float] = field(default_factory=dict)
+    loras: frozenset[str] = frozenset()  # LoRA adapters every worker serves (its engine loads them on demand)
 
 
 @dataclass
@@ -161,7 +162,8 @@ class Simulation:
                 attach(self)
 
     def _endpoint(self, i: int) -> Endpoint:
-        return Endpoint(self.ids[i], f"10.0.0.{i + 1}:8000", role=self.config.roles.get(i, "both"))
+        return Endpoint(self.ids[i], f"10.0.0.{i + 1}:8000", loras=self.config.loras,
+                        role=self.config.roles.get(i, "both"))
 
     def _join(self, i: int, now: float) -> None:
         self.core.upsert_endpoint(self._endpoint(i))
@@ -277,9 +279,11 @@ class Simulation:
 
     # ---- events ----------------------------------------------------------------------------------
     def route_request(self, r: SimRequest, tokens: np.ndarray) -> RouteRequest:
-        keys = chain_keys(tokens, self.block_size)
-        return RouteRequest(r.request_id, keys, len(tokens), self.block_size, r.output_len, session=r.session,
-                            objective=r.objective)
+        # an adapter's blocks are keyed with its name, as vLLM's (and the engine model's) are
+        keys = (request_keys(tokens, self.block_size, lora_name=r.lora) if r.lora
+                else chain_keys(tokens, self.block_size))
+        return RouteRequest(r.request_id, keys, len(tokens), self.block_size, r.output_len, lora=r.lora,
+                            session=r.session, objective=r.objective)
 
     def decide(self, r: SimRequest, now: float, tokens: np.ndarray | None = None) -> tuple[RouteRequest, Decision]:
         """The core's decision for ``r`` at ``now`` (plugins reading the simulation see it as ``deciding``)."""
@@ -362,7 +366,7 @@ class Simulation:
         else:
             rid, out_len = r.request_id, r.output_len
         try:
-            self.engines[w].add_request(EngineRequest(rid, tokens, out_len, arrival=now))
+            self.engines[w].add_request(EngineRequest(rid, tokens, out_len, arrival=now, lora_name=r.lora))
         except ValueError as e:
             # what a real engine (and workers.sim) answers with a 400: the router sees the request end at once
             rec.outcome, rec.error = "rejected", str(e)
@@ -437,7 +441,7 @@ class Simulation:
         if gen != self.generation[w] or rec.outcome != "routed":
             return  # the decode worker restarted meanwhile: the request failed with it
         self.engines[w].add_request(EngineRequest(r.request_id, tokens, r.output_len, arrival=r.arrival,
-                                                  remote_kv_tokens=full))
+                                                  remote_kv_tokens=full, lora_name=r.lora))
         if not self.busy[w]:
             self._start_step(w, now)
 
@@ -480,7 +484,7 @@ class Simulation:
                 if d is not None:
                     d.fail(now)
                 if decode != w:
-                    self.engines[decode].add_request(EngineRequest(r.request_id, tokens, r.output_len,
+                    self.engines[decode].add_request(EngineRequest(r.request_id, tokens, r.output_len, lora_name=r.lora,
                                                                    arrival=r.arrival))
                     if not self.busy[decode]:
                         self._start_step(decode, now)

@@ -37,6 +37,7 @@ from sim.workload import (
     SimRequest,
     cache_bound,
     hot_prefix,
+    lora_zipf,
     merged,
     mooncake,
     multi_turn,
@@ -78,6 +79,7 @@ class Setup:
     flow: FlowParams | None = None  # the router's flow control (router/scheduling/flow.py), the same for every profile
     joins: dict[int, float] = field(default_factory=dict)  # a fleet that changes (SimConfig.joins, .drains)
     drains: dict[int, float] = field(default_factory=dict)
+    loras: frozenset[str] = frozenset()  # LoRA adapters every worker serves (SimConfig.loras)
 
     @property
     def fleet_cache_tokens(self) -> int:
@@ -220,6 +222,26 @@ def _noisy_tenant(quick: bool, _: Path) -> Setup:
                  notes={"offered_rps": rate, "capacity_rps": NOISY_TENANT_CAPACITY_RPS, "noisy_share": 10 / 13})
 
 
+LORA_ADAPTERS = 32
+LORA_SLOTS = 4  # vLLM's --max-loras per engine: a few of the 32 adapters at a time
+
+
+def lora_load_ms(k: int) -> float:
+    """Adapter k's load time: 20 to 80 ms by its rank (the adapters of a fleet differ in size)."""
+    return 20.0 + 20.0 * (k % 4)
+
+
+def _lora_zipf(quick: bool, _: Path) -> Setup:
+    """32 LoRA adapters of Zipf popularity on 8 workers of 4 adapter slots each; each adapter's application has
+    its own 512-token system prompt."""
+    n = 300 if quick else 2400
+    engine = dataclasses.replace(SYNTH_ENGINE, max_loras=LORA_SLOTS, lora_load_ms_by_adapter=tuple(
+        (f"lora-{k}", lora_load_ms(k)) for k in range(LORA_ADAPTERS)))
+    reqs = lora_zipf(n, LORA_ADAPTERS, 1.1, 512, (64, 192), 128, rate=40.0, seed=6)
+    return Setup(reqs, engine, loras=frozenset(f"lora-{k}" for k in range(LORA_ADAPTERS)),
+                 notes={"adapters": LORA_ADAPTERS, "max_loras": LORA_SLOTS})
+
+
 SCALE_OUT_RATE = 24.0  # zipf-popular prefixes at 24/s: the eight workers busy, a ninth worth having
 
 
@@ -276,6 +298,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "capacity, flow control on", _noisy_tenant),
     Scenario("slo_heterogeneous", "shared-prefix groups at 60/s on the heterogeneous fleet (w0 half speed), tight "
              "targets (TTFT 100 ms, TPOT 15 ms), flow control on", _slo_heterogeneous),
+    Scenario("lora_zipf", "32 LoRA adapters of Zipf popularity, 4 adapter slots per worker, loads of 20-80 ms, 40/s",
+             _lora_zipf),
     Scenario("scale_out", "zipf-popular prefixes at 24/s on 8 workers; a 9th joins cold at 1/3 of the run, w0 is "
              "drained at 2/3", _scale_out),
 )}
@@ -306,7 +330,8 @@ def run_scenario(scenario: Scenario, policies: Sequence[str], quick: bool = Fals
         routing = None if cost is None else sim_routing(name, setup.engine.block_size, seed, cost=cost)
         cfg = SimConfig(workers=setup.workers, policy=name, engine=setup.engine, engines=setup.engines,
                         faults=setup.faults, seed=seed, restart_busiest_at=setup.restart_busiest_at, routing=routing,
-                        roles=setup.roles, flow=setup.flow, joins=setup.joins, drains=setup.drains)
+                        roles=setup.roles, flow=setup.flow, joins=setup.joins, drains=setup.drains,
+                        loras=setup.loras)
         res = Simulation(setup.requests, cfg).run()
         s = summarise(res)
         results[name] = {k: s[k] for k in SUMMARY_KEYS}

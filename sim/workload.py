@@ -36,6 +36,7 @@ class SimRequest:
     hash_ids: tuple[int, ...] = ()  # trace block ids, for the independent cache bound
     objective: ServiceObjective = NO_OBJECTIVE  # its TTFT/TPOT targets and priority (router/scheduling/slo.py)
     tenant: str | None = None  # whose request it is, for attainment per tenant
+    lora: str | None = None  # the LoRA adapter it asks for (None: the base model)
 
     @property
     def tokens(self) -> np.ndarray:
@@ -242,6 +243,27 @@ def zipf_prefixes(requests: int = 800, prefixes: int = 24, prefix_tokens: int = 
     return out
 
 
+def lora_zipf(requests: int = 1200, adapters: int = 32, zipf_s: float = 1.1, system_tokens: int = 512,
+              question_tokens: tuple[int, int] = (64, 192), output_tokens: int = 128, rate: float = 20.0,
+              seed: int = 0) -> list[SimRequest]:
+    """Requests for LoRA adapters of Zipf popularity: adapter k (``lora-k``) drawn with probability proportional
+    to ``1 / (k + 1) ** zipf_s``; each adapter's application has its own system prompt (its requests share it, keyed
+    with the adapter's name as vLLM keys them), then a question of its own."""
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, adapters + 1) ** zipf_s
+    weights /= weights.sum()
+    systems = tokens_for_blocks([80_000_000 + k for k in range(adapters)], system_tokens)
+    out, t = [], 0.0
+    lo, hi = question_tokens
+    for i in range(requests):
+        t += float(rng.exponential(1.0 / rate))
+        k = int(rng.choice(adapters, p=weights))
+        question = tokens_for_block(81_000_000 + seed * 100_000 + i, int(rng.integers(lo, hi + 1)))
+        out.append(SimRequest(f"l{i}a{k}", t, np.concatenate([systems[k], question]), output_tokens, f"lora-{k}",
+                              lora=f"lora-{k}"))
+    return out
+
+
 def with_objective(requests: list[SimRequest], objective: ServiceObjective, tenant: str | None = None,
                    prefix: str = "") -> list[SimRequest]:
     """The same requests carrying ``objective`` and ``tenant`` (their ids prefixed, so that workloads merge)."""
@@ -260,7 +282,8 @@ def demo_shape(rate: float = 16.0, seed: int = 0) -> list[SimRequest]:
     return shared_prefix(24, 6, 1880, 64, 48, rate, seed)
 
 
-WORKLOADS = {"shared_prefix": shared_prefix, "multi_turn": multi_turn, "demo": demo_shape, "hot_prefix": hot_prefix,
+WORKLOADS = {"lora_zipf": lora_zipf,
+             "shared_prefix": shared_prefix, "multi_turn": multi_turn, "demo": demo_shape, "hot_prefix": hot_prefix,
              "zipf_prefixes": zipf_prefixes}
 
 

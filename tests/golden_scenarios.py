@@ -10,7 +10,9 @@ same stream replayed through a rebuilt core must rank every request the same way
 engine metrics brought up to date by the router's own accounting (issue 15) changed ``precise``,
 ``least_loaded`` and ``approx_prefix``; and again when the engine's running count stopped counting as
 another router's the requests it runs that the router still counts as waiting (their first token on its way:
-``precise``, ``least_loaded``, ``approx_prefix``); the other three are the original recording.
+``precise``, ``least_loaded``, ``approx_prefix``); and again when a LoRA request's adapter load was priced
+where it is not loaded, and left out of what the worker's TTFT fit learns (issue 45: ``precise``, seed 3); the
+other three are the original recording.
 """
 
 from __future__ import annotations

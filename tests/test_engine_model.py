@@ -159,20 +159,23 @@ def test_disagg_a_request_whose_kv_was_sent_is_admitted_with_its_blocks_received
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10_000), steps=st.integers(0, 40), cpu_blocks=st.sampled_from([0, 16]))
-def test_the_simulators_scrape_reads_what_the_routers_parser_reads_from_the_metrics_text(seed, steps, cpu_blocks):
+@given(seed=st.integers(0, 10_000), steps=st.integers(0, 40), cpu_blocks=st.sampled_from([0, 16]),
+       max_loras=st.sampled_from([0, 2]))
+def test_the_simulators_scrape_reads_what_the_routers_parser_reads_from_the_metrics_text(seed, steps, cpu_blocks,
+                                                                                        max_loras):
     """The simulator hands each engine's metrics to the core without the text; they must be the very values the
     router's parser reads from the ``/metrics`` text the simulated worker serves, at any engine state."""
     from router.load import parse_engine_metrics
     from workers.engine.metrics import engine_metrics_text, engine_scrape
 
     rng = random.Random(seed)
-    engine = EngineModel(EngineConfig(num_gpu_blocks=48, block_size=8, cpu_blocks=cpu_blocks))
+    engine = EngineModel(EngineConfig(num_gpu_blocks=48, block_size=8, cpu_blocks=cpu_blocks, max_loras=max_loras))
     shared = [rng.randrange(32000) for _ in range(40)]
     t = 0.0
     for i in range(rng.randint(1, 12)):
         prompt = shared[: rng.randint(1, 40)] + [rng.randrange(32000) for _ in range(rng.randint(1, 60))]
-        engine.add_request(EngineRequest(f"r{i}", prompt, rng.randint(1, 30)))
+        adapter = rng.choice([None, "a", "b", "c"]) if max_loras else None
+        engine.add_request(EngineRequest(f"r{i}", prompt, rng.randint(1, 30), lora_name=adapter))
     for _ in range(steps):
         if not engine.has_work:
             break

@@ -337,11 +337,13 @@ def test_kvrouter_plugins_lists_the_peer_plugins_and_profiles():
     data = json.loads(out)
     assert set(PEERS) <= set(data["profiles"])
     assert {"llmd-precise-prefix", "llmd-queue", "llmd-kv-utilization", "llmd-token-load", "llmd-prefix-affinity",
-            "dynamo-cost", "aibrix-prefix-cache", "preble-e2"} <= {p["type"] for p in data["scorers"]}
+            "llmd-lora-affinity", "dynamo-cost", "aibrix-prefix-cache", "preble-e2"} <= {
+        p["type"] for p in data["scorers"]}
     assert "softmax" in {p["type"] for p in data["pickers"]}
     llmd = data["profiles"]["llmd"]["plugins"]
     assert [(p["type"], p.get("weight")) for p in llmd if "weight" in p] == [
-        ("llmd-precise-prefix", 2.0), ("llmd-queue", 1.0), ("llmd-kv-utilization", 1.0)]
+        ("llmd-precise-prefix", 2.0), ("llmd-queue", 1.0), ("llmd-kv-utilization", 1.0),
+        ("llmd-lora-affinity", 1.0)]
     dynamo = next(p for p in data["scorers"] if p["type"] == "dynamo-cost")
     assert {q["name"]: q["default"] for q in dynamo["parameters"]}["host_cache_hit_weight"] == 0.75
     assert describe()["profiles"]["dynamo"]["plugins"][-1] == {"type": "softmax", "parameters": {"temperature": 0.0}}

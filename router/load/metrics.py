@@ -34,12 +34,17 @@ class EngineMetrics:
     scraped_at: float
     cache_tokens: int | None = None  # KV-cache capacity: vLLM's cache_config_info num_gpu_blocks x block_size
     work_tokens: float | None = None  # prompt + generation tokens processed since the engine started
+    # vLLM's lora_requests_info: the adapters of its running and waiting requests, and its adapter slots
+    loras_running: frozenset[str] = frozenset()
+    loras_waiting: frozenset[str] = frozenset()
+    max_loras: int | None = None
 
     def fresh(self, now: float, max_age_s: float) -> EngineMetrics | None:
         return self if now - self.scraped_at <= max_age_s else None
 
 
-_WANTED = frozenset({*_NAMES, *_WORK_COUNTERS, "vllm:cache_config_info"})
+LORA_INFO = "vllm:lora_requests_info"
+_WANTED = frozenset({*_NAMES, *_WORK_COUNTERS, "vllm:cache_config_info", LORA_INFO})
 
 
 def _wanted_lines(text: str) -> str:
@@ -71,9 +76,13 @@ def parse_engine_metrics(text: str, scraped_at: float) -> EngineMetrics:
     found: dict[str, float] = {}
     cache_tokens: int | None = None
     work: float | None = None
+    lora: tuple[frozenset[str], frozenset[str], int | None] = (frozenset(), frozenset(), None)
     for fam in text_string_to_metric_families(_wanted_lines(text)):
         if fam.name == "vllm:cache_config_info":
             cache_tokens = _cache_tokens(fam.samples) or cache_tokens
+            continue
+        if fam.name == LORA_INFO:
+            lora = _lora_info(fam.samples) or lora
             continue
         if fam.name in _WORK_COUNTERS:
             work = (work or 0.0) + sum(s.value for s in fam.samples if s.name.endswith("_total"))
@@ -85,7 +94,25 @@ def parse_engine_metrics(text: str, scraped_at: float) -> EngineMetrics:
             if s.name == fam.name:
                 found[field] = found.get(field, 0.0) + s.value
     return EngineMetrics(found.get("waiting"), found.get("running"), found.get("kv_usage"), scraped_at, cache_tokens,
-                         work)
+                         work, *lora)
+
+
+def _adapters(text: str) -> frozenset[str]:
+    return frozenset(a.strip() for a in text.split(",") if a.strip())
+
+
+def _lora_info(samples: list[Any]) -> tuple[frozenset[str], frozenset[str], int | None] | None:
+    """vLLM's ``lora_requests_info`` gauge: one sample per state it has reported, its value the time of the
+    report; the latest says which adapters its running and waiting requests use, and ``max_lora`` its slots."""
+    latest = max((s for s in samples if s.name == LORA_INFO), key=lambda s: s.value, default=None)
+    if latest is None:
+        return None
+    try:
+        slots: int | None = int(latest.labels.get("max_lora", ""))
+    except ValueError:
+        slots = None
+    return (_adapters(latest.labels.get("running_lora_adapters", "")),
+            _adapters(latest.labels.get("waiting_lora_adapters", "")), slots)
 
 
 def _cache_tokens(samples: list[Any]) -> int | None:

@@ -54,6 +54,9 @@ class CostParams:
     load_back_ms_per_token: float = DEFAULT_TIMING.load_back_ms_per_token
     storage_ms_per_token: float = 0.005  # storage tier -> GPU
     step_token_budget: int = 8192  # the engines' max_num_batched_tokens
+    # loading a LoRA adapter a worker does not hold (router/scheduling/lora.py): tens of ms from the engine's CPU
+    # cache, more from disk; the router's prior for every adapter
+    lora_load_ms: float = 30.0
     remaining_fraction: float = 0.5  # of a request in flight's output, the part still to come, on average
     waiting_prompt_tokens: int = 2048  # assumed size of each engine-reported waiting request we did not send
     reuse_prior: float = 0.5  # P(an evicted block is asked for again) until the fleet has shown it

@@ -69,7 +69,12 @@ class Dispatch:
         observed = now - r.dispatched_at
         report = self.report
         if report is not None:
-            self.state.cost.observe_ttft(r.worker_id, report.model_ttft_s, observed)
+            load = report.adapter_load_s
+            if load > 0 and self.request.lora and report.model_ttft_s > 0 and self.state.cost.params.learn:
+                # nothing was queued ahead of it: what it waited beyond the rest of its TTFT was its adapter's load
+                self.state.adapter_loads.observe(self.request.lora, observed - (report.ttft_s - load))
+            # the worker's speed is learned on its prefill alone, not on the adapter's load
+            self.state.cost.observe_ttft(r.worker_id, report.model_ttft_s, observed - load)
         for p in self.plugins:
             p.on_first_token(r.worker_id, r.predicted_ttft_s, observed, now)
 
@@ -122,6 +127,7 @@ class Dispatch:
             matched, uncached, predicted = 0, req.prompt_tokens, None
         state.load.dispatch(req.request_id, worker_id, req.prompt_tokens, uncached, req.max_tokens, now, predicted,
                             req.keys, req.block_size)
+        state.loras.dispatched(worker_id, req.request_id, req.lora)
         if state.shared_load is not None:  # the other replicas (or processes) count it too
             r = state.load.inflight[req.request_id]
             (state.shared_load.local_reassigned if reassigned else state.shared_load.local_dispatched)(
@@ -149,6 +155,7 @@ class Dispatch:
 
     def _end(self) -> None:
         self.ended = True
+        self.state.loras.ended(self.request.request_id)
         self._on_end(self.request.request_id)
 
     @property

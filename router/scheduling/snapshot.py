@@ -215,6 +215,11 @@ class Snapshot:
                     for name, values in fields.items():
                         setattr(c, name, float(values[k]))
 
+    def report_values(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """A report field of ``slots``, as a scorer wrote it (zeros where none did)."""
+        arr = self._reports.get(name)
+        return np.zeros(len(slots)) if arr is None else np.asarray(arr, dtype=float)[slots]
+
     def set_scores(self, slots: np.ndarray, totals: list[Any]) -> None:
         """The decision's totals for ``slots`` (the candidates' ``score``)."""
         self._scores = totals

@@ -18,6 +18,7 @@ from router.load import EngineMetrics, LoadTracker
 from router.load.exchange import LoadExchange
 from router.scheduling.columns import FleetColumns
 from router.scheduling.cost import CostModel, CostParams
+from router.scheduling.lora import AdapterLoads, LoraResidency
 from router.scheduling.reuse import ReuseTracker
 from router.scheduling.types import Endpoint
 
@@ -54,6 +55,8 @@ class FleetState:
         self.awaiting_events_since: dict[str, float] = {}
         self.changed: set[str] = set()  # workers whose metrics or capacity changed since the columns read them
         self.columns = FleetColumns(self)  # the per-worker facts a decision reads, as arrays
+        self.loras = LoraResidency()  # the LoRA adapters each worker holds (router/scheduling/lora.py)
+        self.adapter_loads = AdapterLoads(self.cost.params.lora_load_ms / 1000.0)  # and how long a load takes
 
     # ---- writes ------------------------------------------------------------------------------
     def upsert_endpoint(self, ep: Endpoint) -> None:
@@ -64,6 +67,7 @@ class FleetState:
             self.prefill_only.discard(ep.worker_id)
 
     def remove_endpoint(self, worker_id: str) -> None:
+        self.loras.forget(worker_id)
         self.endpoints.pop(worker_id, None)
         self.prefill_only.discard(worker_id)
         self.feeder.remove_worker(worker_id)
@@ -187,7 +191,8 @@ class FleetState:
         started = max(0.0, at[0] - m.waiting) if m.waiting is not None else 0.0  # ours waiting here, running there
         return EngineMetrics(None if m.waiting is None else max(0.0, m.waiting - at[0]) + waiting,
                              None if m.running is None else max(0.0, m.running - at[1] - started) + running,
-                             kv, m.scraped_at, m.cache_tokens, m.work_tokens)
+                             kv, m.scraped_at, m.cache_tokens, m.work_tokens, m.loras_running, m.loras_waiting,
+                             m.max_loras)
 
     def index_state(self, worker_id: str, now: float) -> str:
         """synced | unsynced | unverified | stale | no-events: only 'synced' earns prefix credit.

@@ -84,6 +84,8 @@ class CandidateReport:
     step_s: float = 0.0  # the decode step it would see there (s per output token)
     model_ttft_s: float = 0.0  # its TTFT by the engine timing alone, before the worker's fit (what the fit learns on)
     model_step_s: float = 0.0
+    adapter_load_s: float = 0.0  # the LoRA adapter's load priced there (router/scheduling/lora.py; 0: none, or
+    # one that would also wait for a slot)
     score: float = 0.0
     inflight: int = 0
 

@@ -9,7 +9,7 @@ simulated worker sleeps it (scaled). Neither forks this code.
 from __future__ import annotations
 
 import enum
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +34,12 @@ class EngineConfig:
     max_model_len: int = 131072
     vocab_size: int = 32000
     timing: TimingModel = field(default_factory=TimingModel)
+    # LoRA adapters, as vLLM's --max-loras: at most this many in one batch, loaded in as many slots (least recently
+    # used out); 0: no limit and no load (adapters cost nothing). Loading one lasts ``lora_load_ms`` (per
+    # adapter in ``lora_load_ms_by_adapter``), added to the step that first schedules it
+    max_loras: int = 0
+    lora_load_ms: float = 30.0
+    lora_load_ms_by_adapter: tuple[tuple[str, float], ...] = ()
 
 
 class Status(enum.Enum):
@@ -200,6 +206,7 @@ class EngineStats:
     finished: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    lora_loads: int = 0  # adapters loaded into a slot
 
 
 # rows of EngineModel._batch, one column per running request in schedule order: tokens computed, tokens in the
@@ -237,6 +244,9 @@ class EngineModel:
         # steps ahead in which nothing happens to any running request (each decodes one token, no block to
         # allocate or fill, no first or last token), as long as nothing is admitted: each is one array addition
         self._quiet = 0
+        self.loras: OrderedDict[str, None] = OrderedDict()  # adapters loaded in slots, least recently used first
+        self._lora_load_ms = dict(c.lora_load_ms_by_adapter)
+        self._step_lora_ms = 0.0  # adapters loaded by the step being built
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -368,15 +378,59 @@ class EngineModel:
     def _admit_waiting(self, budget: int) -> Iterator[tuple[EngineRequest, int, int]]:
         """Start waiting requests in arrival order while the step's token budget and ``max_num_seqs`` allow,
         stopping at the first that does not fit (no overtaking): each (request, tokens scheduled, tokens loaded
-        back from CPU). Both the array step and the reference step admit this way."""
+        back from CPU). Both the array step and the reference step admit this way. A request whose adapter
+        cannot join the batch (every LoRA slot held by an adapter running requests use) is skipped, as vLLM's
+        scheduler skips it, and stays at its place in the queue."""
+        self._step_lora_ms = 0.0
+        if not self.config.max_loras:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                n, loaded = self._admit(req, budget)
+                if n == 0:
+                    return
+                self.waiting.popleft()
+                budget -= n
+                yield req, n, loaded
+            return
+        active = {r.lora_name for r in self.running if r.lora_name}
+        skipped: list[EngineRequest] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            adapter = req.lora_name
+            if adapter and adapter not in active and len(active) >= self.config.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             n, loaded = self._admit(req, budget)
             if n == 0:
-                return
+                break
             self.waiting.popleft()
+            if adapter:
+                active.add(adapter)
+                self._load_adapter(adapter, active)
             budget -= n
             yield req, n, loaded
+        self.waiting.extendleft(reversed(skipped))
+
+    def _load_adapter(self, adapter: str, active: set[str]) -> None:
+        """``adapter`` joins the batch: loaded into a slot unless it holds one (an idle adapter's slot is taken,
+        the least recently used first); its load lasts into this step."""
+        if adapter in self.loras:
+            self.loras.move_to_end(adapter)
+            return
+        while len(self.loras) >= self.config.max_loras:
+            idle = next((a for a in self.loras if a not in active), None)
+            if idle is None:
+                break
+            del self.loras[idle]
+        self.loras[adapter] = None
+        self.stats.lora_loads += 1
+        self._step_lora_ms += self._lora_load_ms.get(adapter, self.config.lora_load_ms)
+
+    @property
+    def loras_of(self) -> tuple[frozenset[str], frozenset[str]]:
+        """The adapters of the running requests and of the waiting ones (vLLM's lora_requests_info)."""
+        return (frozenset(r.lora_name for r in self.running if r.lora_name),
+                frozenset(r.lora_name for r in self.waiting if r.lora_name))
 
     def _admit(self, req: EngineRequest, budget: int) -> tuple[int, int]:
         """Try to start a waiting request: (tokens scheduled, tokens loaded back from CPU); 0 = not admitted.
@@ -470,7 +524,8 @@ class EngineModel:
             decode_reqs = int(np.count_nonzero((sched == 1) & (nout > 0)))
         prefill_tokens = total - decode_reqs
         usage = self.pool.usage
-        duration = self.timing.step_ms(prefill_tokens, decode_reqs, usage, load_back) / 1000.0
+        duration = (self.timing.step_ms(prefill_tokens, decode_reqs, usage, load_back) + self._step_lora_ms) / 1000.0
+        self._step_lora_ms = 0.0
         if until is not None and not prefill_tokens and not self.waiting and decode_reqs == n_all:
             k = self._decode_run_length(now, until, duration)
             if k > 1:
@@ -708,7 +763,8 @@ class EngineModel:
             else:
                 prefill_tokens += n
         usage = self.pool.usage
-        duration = self.timing.step_ms(prefill_tokens, decode_reqs, usage, load_back) / 1000.0
+        duration = (self.timing.step_ms(prefill_tokens, decode_reqs, usage, load_back) + self._step_lora_ms) / 1000.0
+        self._step_lora_ms = 0.0
         if until is not None and not prefill_tokens and not self.waiting and decode_reqs == len(self.running):
             k = self._reference_run_length(now, until, duration)
             if k > 1:

@@ -9,6 +9,7 @@ simulated worker's text.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -47,6 +48,12 @@ def engine_metric_families(engine: EngineModel, model: str, rank: int = 0) -> It
                              labels=["block_size", "num_gpu_blocks", "num_cpu_blocks", "enable_prefix_caching"])
     info.add_metric([str(c.block_size), str(c.num_gpu_blocks), str(c.cpu_blocks), "True"], 1.0)
     yield info
+    if c.max_loras:  # as vLLM with --enable-lora: the adapters in use, the value the time of the report
+        running, waiting = e.loras_of
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        lora.add_metric([str(c.max_loras), ",".join(sorted(running)), ",".join(sorted(waiting))], time.time())
+        yield lora
 
 
 class _EngineCollector:
@@ -68,5 +75,7 @@ def engine_scrape(engine: EngineModel, scraped_at: float) -> EngineMetrics:
     """What the router's parser reads from ``engine_metrics_text(engine)``, at ``scraped_at``: the gauges, the
     cache capacity of ``vllm:cache_config_info`` and the work counters (prompt + generation tokens)."""
     c, st = engine.config, engine.stats
+    running, waiting = engine.loras_of if c.max_loras else (frozenset(), frozenset())
     return EngineMetrics(float(engine.num_waiting), float(engine.num_running), engine.kv_usage, scraped_at,
-                         c.num_gpu_blocks * c.block_size or None, float(st.prompt_tokens + st.generation_tokens))
+                         c.num_gpu_blocks * c.block_size or None, float(st.prompt_tokens + st.generation_tokens),
+                         running, waiting, c.max_loras or None)

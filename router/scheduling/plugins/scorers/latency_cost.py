@@ -22,6 +22,7 @@ import numpy as np
 
 from router.scheduling.cost import CostParams, Estimate, Estimates
 from router.scheduling.engine_profile import StepTiming
+from router.scheduling.lora import adapter_cost
 from router.scheduling.masks import all_set, any_set, set_slots
 from router.scheduling.plugins.base import Scorer
 from router.scheduling.scalar_ops import SCALAR_OPS
@@ -74,6 +75,46 @@ class LatencyCost(Scorer):
         return out.tolist()
 
     def score_slots(self, snap: Snapshot, slots: np.ndarray) -> np.ndarray:
+        """The objective of every candidate (``_priced``), with a LoRA request's adapter priced where it is not
+        loaded (``_with_adapter``)."""
+        scores = self._priced(snap, slots)
+        if snap.request.lora and snap.costs.params.lora_load_ms > 0:
+            return self._with_adapter(snap, slots, np.asarray(scores, dtype=float))
+        return scores
+
+    def _with_adapter(self, snap: Snapshot, slots: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        """router/scheduling/lora.py: the adapter's load (and a wait for a slot where every slot is held by an
+        adapter in use) joins this request's queue and TTFT, the load's stall to the requests running there joins
+        what it costs them, and the expected reload of the adapter it pushes out joins the eviction term. The wait
+        for a slot is taken as the rest of a request's decode there, as long as this one's would take
+        (``remaining_fraction`` of it)."""
+        state, p = snap._state, snap.costs.params
+        load_s = state.adapter_loads.load_s(snap.request.lora or "")
+        queue, ttft = snap.report_values("queue_s", slots), snap.report_values("ttft_s", slots)
+        stall, interference = snap.report_values("stall_s", slots), snap.report_values("interference_s", slots)
+        decode, eviction = snap.report_values("decode_s", slots), snap.report_values("eviction_s", slots)
+        loads = np.zeros(len(slots))
+        reuse = p.reuse_prior if snap.reuse is None else snap.reuse
+        adapter = snap.request.lora
+        assert adapter is not None
+        for k, i in enumerate(slots.tolist()):
+            wid = snap.ids[i]
+            m = state.metrics.get(wid) if snap.fresh[i] else None
+            running = max(float(snap.cols.decoding[i]), m.running if m is not None and m.running is not None else 0.0)
+            cost = adapter_cost(state.loras.view(wid, m), adapter, load_s, running,
+                                p.remaining_fraction * float(decode[k]), reuse)
+            queue[k] += cost.ttft_s
+            ttft[k] += cost.ttft_s
+            stall[k] += cost.stall_s
+            interference[k] += cost.stall_s
+            eviction[k] += cost.eviction_s
+            loads[k] = cost.load_s  # what the engines teach the load on (not where it also waits for a slot)
+            scores[k] += cost.ttft_s + cost.stall_s + cost.eviction_s
+        snap.set_reports(slots, queue_s=queue, ttft_s=ttft, stall_s=stall, interference_s=interference,
+                         eviction_s=eviction, adapter_load_s=loads)
+        return scores
+
+    def _priced(self, snap: Snapshot, slots: np.ndarray) -> np.ndarray:
         """Every candidate priced by one formula (``_inputs``, then ``CostModel.terms``): compiled, in one pass
         over the candidates; without the extension on arrays over them, or, up to ``SCALAR_CANDIDATES`` of them,
         on each one's floats (the same scores every way)."""
