@@ -60,6 +60,7 @@ class Worker:
     port: int
     seen: Seen
     role: str = "both"  # prefill | decode | both
+    models: frozenset[str] = frozenset()  # what discovery says it serves (empty: whatever is asked)
 
     @property
     def url(self) -> str:
@@ -68,21 +69,21 @@ class Worker:
     def spec(self, wid: str) -> WorkerSpec:
         pub = self.worker.publisher
         assert pub is not None
-        return WorkerSpec(wid, self.url, pub.endpoint, pub.replay_endpoint, role=self.role)
+        return WorkerSpec(wid, self.url, pub.endpoint, pub.replay_endpoint, models=self.models, role=self.role)
 
     async def stop(self) -> None:
         await self.runner.cleanup()
 
 
 async def start_recording_worker(*, time_scale: float = 0.0, max_model_len: int = 32768,
-                                 topic: str = "w0") -> Worker:
+                                 topic: str = "w0", model: str = "sim-model") -> Worker:
     """tests.sim_helpers.start_worker with a middleware recording every request the worker receives
     (the simulator keeps no headers of its own)."""
     tok = load_tokenizer()
     engine = EngineModel(EngineConfig(num_gpu_blocks=2048, block_size=16, cpu_blocks=0,
                                       max_model_len=max_model_len, vocab_size=tok.vocab_size))
     pub = KvEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic)
-    worker = SimWorker(engine, tok, "sim-model", pub, time_scale)
+    worker = SimWorker(engine, tok, model, pub, time_scale)
     seen = Seen()
 
     @web.middleware

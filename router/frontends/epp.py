@@ -335,7 +335,7 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             st.refused = True
             if decision.outcome == "shed":
                 self.metrics.count_objective(rreq.objective, None, None, shed=True)
-            return [self._refusal(decision)]
+            return [self._refusal(decision, rreq)]
         prefiller = None
         if api_path(path) in GENERATE_PATHS and parsed.splittable:
             plan = self.core.plan_prefill(rreq, decision, time.monotonic())
@@ -365,7 +365,13 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         endpoints = self.core.endpoints
         return tuple(endpoints[w].address for w in decision.ranked[: 1 + self.fallbacks])
 
-    def _refusal(self, decision: Decision) -> pb.ProcessingResponse:
+    def _refusal(self, decision: Decision, request: RouteRequest | None = None) -> pb.ProcessingResponse:
+        if decision.outcome == "no_endpoint" and request is not None and self.core.serves_nobody(request):
+            self.metrics.count_request("404")  # a model no endpoint serves: vLLM's answer for an unknown model
+            message = f"The model `{request.lora or request.model}` does not exist."
+            body = json.dumps({"object": "error", "message": message, "type": "NotFoundError", "param": None,
+                               "code": 404}).encode()
+            return _immediate_json(404, body, message[:200])
         if decision.outcome == "shed":
             self.metrics.count_request("429")
             return _immediate(429, decision.reason, retry_after=max(1, round(decision.retry_after_s)))

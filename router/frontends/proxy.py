@@ -269,7 +269,7 @@ class ProxyServer:
         decision = await self.gate.admit(rreq, decision, lambda now: self.core.decide(rreq, now),
                                          flow_id(request.headers, tenant))
         if decision.outcome != "routed":
-            return self._refusal(decision, objective=objective)
+            return self._refusal(decision, objective=objective, request=rreq)
         headers = self._upstream_headers(request, salt)
         body = parsed.raw
         if parsed.splittable:
@@ -347,7 +347,11 @@ class ProxyServer:
                            batch_index)
         return decision
 
-    def _refusal(self, decision: Decision, prefix: str = "", objective: ServiceObjective = NO_OBJECTIVE) -> Response:
+    def _refusal(self, decision: Decision, prefix: str = "", objective: ServiceObjective = NO_OBJECTIVE,
+                 request: RouteRequest | None = None) -> Response:
+        if decision.outcome == "no_endpoint" and request is not None and self.core.serves_nobody(request):
+            self.metrics.count_request("404")  # a model no worker serves: vLLM's own answer for an unknown model
+            return error(404, f"The model `{request.lora or request.model}` does not exist.", "NotFoundError")
         if decision.outcome == "shed":
             self.metrics.count_request("429")
             self.metrics.count_objective(objective, None, None, shed=True)

@@ -133,6 +133,13 @@ class RoutingCore:
     def set_draining(self, worker_id: str, draining: bool) -> bool:
         return self.state.set_draining(worker_id, draining)
 
+    def serves_nobody(self, req: RouteRequest) -> bool:
+        """No endpoint of the fleet, healthy or not, serves the model (or adapter) ``req`` names: the client asked
+        for something that does not exist here (a 404), not for something that is down (a 503)."""
+        if req.model is None and not req.lora:
+            return False
+        return not any(ep.serves(req.model, req.lora, req.role) for ep in self.state.endpoints.values())
+
     def lora_of(self, model: str | None) -> str | None:
         return self.state.lora_of(model)
 
