@@ -67,6 +67,8 @@ class Fleet:
         self.file_poll_s = file_poll_s
         self.specs: dict[str, WorkerSpec] = {}
         self.failures: dict[str, int] = {}
+        # workers discovery no longer lists, draining until their requests end: worker -> draining before it left
+        self.leaving: dict[str, bool] = {}
         self.max_model_len_override = max_model_len
         self.context_lens: dict[str, int] = {}  # worker -> the largest max_model_len its /v1/models reports
         self.events_bus = events_bus
@@ -89,14 +91,15 @@ class Fleet:
 
     # ---- membership --------------------------------------------------------------------------
     def set_workers(self, specs: Sequence[WorkerSpec]) -> None:
-        """Make the fleet exactly ``specs``: add new workers, update changed ones, remove the rest."""
+        """Make the fleet ``specs``: add new workers, update changed ones, let the rest leave (``leave``)."""
         wanted = {s.worker_id: s for s in specs}
         for wid in list(self.specs):
             if wid not in wanted:
-                self.remove(wid)
+                self.leave(wid)
         for spec in specs:
-            old = self.specs.get(spec.worker_id)
-            if old != spec:
+            if spec.worker_id in self.leaving:  # listed again before it had left: drained as it was before
+                self.core.set_draining(spec.worker_id, self.leaving.pop(spec.worker_id))
+            if self.specs.get(spec.worker_id) != spec:
                 self.add(spec)
 
     def add(self, spec: WorkerSpec) -> None:
@@ -115,7 +118,32 @@ class Fleet:
         elif spec.replay:
             self.subscriber.replay_endpoints[spec.worker_id] = spec.replay
 
+    def leave(self, worker_id: str) -> None:
+        """Discovery no longer lists the worker (a terminating pod, an entry gone from the workers file): it drains,
+        taking no new request while the requests it has finish, and is removed (its index, its subscription) once
+        none is left or it stops answering its probes; at once if it has none."""
+        if worker_id in self.leaving:
+            return
+        ep = self.core.endpoints.get(worker_id)
+        if ep is None or not self._busy(worker_id):
+            self.remove(worker_id)
+            return
+        self.leaving[worker_id] = ep.draining
+        self.core.set_draining(worker_id, True)
+
+    def _busy(self, worker_id: str) -> bool:
+        load = self.core.load.workers.get(worker_id)
+        return load is not None and load.requests > 0
+
+    def reap(self) -> None:
+        """Remove the leaving workers that have finished their requests or stopped answering."""
+        for wid in list(self.leaving):
+            ep = self.core.endpoints.get(wid)
+            if ep is None or not ep.healthy or not self._busy(wid):
+                self.remove(wid)
+
     def remove(self, worker_id: str) -> None:
+        self.leaving.pop(worker_id, None)
         self.specs.pop(worker_id, None)
         self.context_lens.pop(worker_id, None)
         self.engine_block_sizes.pop(worker_id, None)
@@ -188,6 +216,7 @@ class Fleet:
     async def _probe_loop(self) -> None:
         while True:
             await asyncio.gather(*(self.probe(wid) for wid in list(self.specs)), return_exceptions=True)
+            self.reap()
             self.report_problems()
             await asyncio.sleep(self.probe_interval_s)
 
