@@ -168,7 +168,8 @@ def _run_router(args: argparse.Namespace, command: str, extra: dict, runner: Cal
 
 
 def _epp_overrides(args: argparse.Namespace) -> dict:
-    return {"epp.port": args.port, "epp.health_port": args.health_port, "epp.metrics_port": args.metrics_port}
+    return {"epp.port": args.port, "epp.health_port": args.health_port, "epp.metrics_port": args.metrics_port,
+            "epp.admin_port": args.admin_port}
 
 
 def _epp(args: argparse.Namespace) -> int:
@@ -352,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--health-port", "--grpc-health-port", type=int, action=_OneValue,
                     help="gRPC health port (default 9003)")
     ep.add_argument("--metrics-port", type=int, help="Prometheus metrics port (default 9090)")
+    ep.add_argument("--admin-port", type=int, help="serve /admin/workers, /admin/drain, /admin/undrain here, on "
+                    "admin.host (127.0.0.1); default: none")
     up = ep.add_argument_group("the upstream EPP's names (gateway-api-inference-extension cmd/epp)")
     up.add_argument("--pool-name", dest="inference_pool", action=_OneValue, help="= --inference-pool")
     up.add_argument("--pool-namespace", dest="namespace", type=_unset_if_empty, action=_OneValue,

@@ -76,6 +76,9 @@ class EppSettings:
     handshake_timeout_s: float = 120.0  # the client's preface and first SETTINGS must arrive within this
     idle_timeout_s: float = 3600.0  # a connection with no open stream for this long gets GOAWAY and is closed
     max_connections: int = 10000  # connections open at once; past it a new one is closed at once
+    # the fleet's admin (GET /admin/workers, POST /admin/drain and /admin/undrain) on admin.host at this port;
+    # unset: none (the proxy's admin.port is 8001 by default: a picker beside it on one host must not take it)
+    admin_port: int | None = None
 
 
 @dataclass

@@ -64,3 +64,32 @@ async def test_epp_processes_2_share_the_pods_load_behind_envoy(tmp_path: Path):
                     await r.read()
     for w in workers:
         await w.runner.cleanup()  # type: ignore[union-attr]
+
+
+async def test_the_pickers_admin_drains_a_worker_on_localhost_only_when_asked():
+    """``kvrouter epp --admin-port P``: the fleet's admin (router/frontends/admin.py, the proxy's too) on
+    127.0.0.1; a drained worker is reported draining, an unknown one is a 404; without the flag, no admin."""
+    worker = HeldWorker()
+    await worker.start()
+    picker_port, admin_port = free_port(), free_port()
+    args = ["-m", "router.cli", "epp", "--port", str(picker_port), "--health-port", str(free_port()),
+            "--metrics-port", str(free_port()), "--admin-port", str(admin_port), "--worker", f"{worker.url},id=w0"]
+    admin = f"http://127.0.0.1:{admin_port}"
+    try:
+        with server_process(args, admin_port):
+            async with aiohttp.ClientSession() as s:
+                async with s.post(admin + "/admin/drain", params={"worker": "w0"}) as r:
+                    assert r.status == 200 and await r.json() == {"worker": "w0", "draining": True}
+                async with s.get(admin + "/admin/workers") as r:
+                    assert (await r.json())["workers"]["w0"]["draining"] is True
+                async with s.post(admin + "/admin/undrain", params={"worker": "w0"}) as r:
+                    assert await r.json() == {"worker": "w0", "draining": False}
+                async with s.post(admin + "/admin/drain", params={"worker": "nope"}) as r:
+                    assert r.status == 404
+        plain = [a for a in args if a not in ("--admin-port", str(admin_port))]
+        with server_process(plain, picker_port), pytest.raises(aiohttp.ClientConnectionError):
+            async with aiohttp.ClientSession() as s, s.get(admin + "/admin/workers"):
+                pass
+    finally:
+        worker.release.set()
+        await worker.runner.cleanup()  # type: ignore[union-attr]

@@ -40,6 +40,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.config import RouterConfig
+from router.frontends.admin import FleetAdmin
 from router.frontends.api_paths import GENERATE_PATHS, TOKENIZER_PATHS, api_path, is_api_path
 from router.frontends.fleet import Fleet, fleet_from_config
 from router.frontends.flow_gate import FlowGate
@@ -451,7 +452,8 @@ async def update_readiness(servicer: health.aio.HealthServicer, core: RoutingCor
 
 async def run_epp(config: RouterConfig, started: asyncio.Event | None = None,
                   slot: ProcessSlot | None = None) -> None:
-    """``kvrouter epp``: the picker, gRPC health, Prometheus metrics on their own port, admin on localhost.
+    """``kvrouter epp``: the picker, gRPC health, Prometheus metrics on their own port, and with ``epp.admin_port``
+    the fleet's admin (``FleetAdmin``: workers, drain, undrain) on ``admin.host`` (localhost by default).
     ``slot``: one of ``--processes N`` (router/frontends/processes.py): every port shared (SO_REUSEPORT), the
     in-flight load too."""
     from aiohttp import web
@@ -482,6 +484,14 @@ async def run_epp(config: RouterConfig, started: asyncio.Event | None = None,
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.epp.metrics_host, config.epp.metrics_port, reuse_port=slot is not None).start()
+    runners = [runner]
+    if config.epp.admin_port is not None and (slot is None or slot.serves_admin):  # drain, workers: localhost
+        admin = web.Application()
+        admin.add_routes(FleetAdmin(core, fleet).routes())
+        admin_runner = web.AppRunner(admin, access_log=None)
+        await admin_runner.setup()
+        await web.TCPSite(admin_runner, config.admin.host, config.epp.admin_port).start()
+        runners.append(admin_runner)
     try:
         await serve_epp(core, fleet, picker, config.epp.port, config.epp.health_port, config.epp.host,
                         started=started, grace_s=config.epp.grace_s, reuse_port=slot is not None,
@@ -489,7 +499,8 @@ async def run_epp(config: RouterConfig, started: asyncio.Event | None = None,
                         limits=ConnectionLimits(config.epp.handshake_timeout_s, config.epp.idle_timeout_s,
                                                 config.epp.max_connections))
     finally:
-        await runner.cleanup()
+        for r in runners:
+            await r.cleanup()
         if shared is not None:
             await shared.stop()
         await fleet.stop()

@@ -37,6 +37,7 @@ from aiohttp import web
 
 from router.config import RouterConfig
 from router.frontends import http1
+from router.frontends.admin import FleetAdmin
 from router.frontends.api_paths import GENERATE_PATHS, TOKENIZER_PATHS
 from router.frontends.fleet import fleet_from_config
 from router.frontends.flow_gate import FlowGate
@@ -54,7 +55,6 @@ from router.frontends.openai import (
 )
 from router.frontends.openai import error_response as admin_error
 from router.frontends.processes import ProcessSlot, start_shared_load
-from router.index.digest import residency_digest
 from router.scheduling import Decision, Dispatch, RouteRequest, RoutingCore
 from router.scheduling.core import SATURATED_REASON
 from router.scheduling.disagg import PrefillPlan
@@ -233,9 +233,7 @@ class ProxyServer:
         app = web.Application()
         app.add_routes([
             web.get("/debug/decision", self.debug_decisions),
-            web.get("/admin/workers", self.workers_state),
-            web.post("/admin/drain", self.drain),
-            web.post("/admin/undrain", self.drain),
+            *FleetAdmin(self.core, self.fleet).routes(),
             web.get("/metrics", self.admin_prometheus),
         ])
         return app
@@ -705,39 +703,6 @@ class ProxyServer:
             return []
         entries = list(self.decisions)
         return [d.as_dict() for d in (entries if n is None else entries[-n:])]
-
-    async def workers_state(self, request: web.Request) -> web.Response:
-        """Each worker's state; ``?digest=1`` adds its residency fingerprint (replicas compare them; O(blocks))."""
-        now = time.monotonic()
-        diagnoses = self.fleet.diagnose()
-        digest = request.query.get("digest") == "1"
-        out = {}
-        for wid, ep in self.core.endpoints.items():
-            st = self.core.feeder.status(wid, now)
-            load = self.core.load.workers.get(wid)
-            found = diagnoses.get(wid)
-            out[wid] = {"url": ep.url, "address": ep.address, "healthy": ep.healthy, "draining": ep.draining,
-                        "index_state": self.core.index_state(wid, now), "last_event_age_s": st.last_event_age_s,
-                        "last_seq": st.last_seq, "blocks": {m.name: n for m, n in st.blocks.items()},
-                        "inflight": load.requests if load else 0,
-                        "problem": found.problem if found else None, "cause": found.cause if found else None}
-            if digest:
-                out[wid]["index_digest"] = residency_digest(self.core.index, wid)
-        shared = self.core.state.shared_load
-        if shared is None:
-            return web.json_response({"workers": out})
-        return web.json_response({"workers": out, "shared_load": shared.describe(now)})
-
-    async def drain(self, request: web.Request) -> web.Response:
-        wid = request.query.get("worker")
-        if not wid:
-            return admin_error(400, "?worker=ID is required")
-        draining = request.path.endswith("/drain")
-        if not self.fleet.drain(wid, draining=draining):
-            return admin_error(404, f"unknown worker {wid!r}", "NotFoundError")
-        if self.core.state.shared_load is not None:  # the other processes and replicas drain it too
-            self.core.state.shared_load.local_drained(wid, draining)
-        return web.json_response({"worker": wid, "draining": self.core.endpoints[wid].draining})
 
 
 async def run_proxy(config: RouterConfig, slot: ProcessSlot | None = None) -> None:
