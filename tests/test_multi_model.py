@@ -7,6 +7,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
+from router.discovery import parse_worker_arg
+from router.discovery.static import DiscoveryError, load_workers_file
 from tests.sim_helpers import start_worker
 from tests.test_epp_robustness import gateway_with, post, start_recording_worker
 from tests.test_proxy import proxy
@@ -62,3 +64,16 @@ async def test_a_model_nobody_serves_is_a_404_from_the_picker_behind_envoy(tmp_p
     finally:
         for w in ws:
             await w.stop()
+
+
+def test_a_name_on_the_command_line_is_one_name_never_its_letters(tmp_path):
+    spec = parse_worker_arg("http://10.0.0.1:8000,model=llama,lora=sql-adapter")
+    assert spec.models == {"llama"} and spec.loras == {"sql-adapter"}
+    assert parse_worker_arg("http://10.0.0.1:8000,lora=").loras == frozenset()  # empty: none
+    f = tmp_path / "workers.yaml"
+    f.write_text("- {url: 'http://10.0.0.1:8000', models: [a, b], loras: [x]}\n")
+    (listed,) = load_workers_file(f)
+    assert listed.models == {"a", "b"} and listed.loras == {"x"}
+    f.write_text("- {url: 'http://10.0.0.1:8000', loras: [3]}\n")
+    with pytest.raises(DiscoveryError, match="loras"):
+        load_workers_file(f)

@@ -1,7 +1,8 @@
 """Workers from the command line or from a watched YAML/JSON file.
 
 A worker entry: ``{id, url, events?, replay?, topic?, models?, loras?}``; on the command line
-``URL[,events=ENDPOINT][,replay=ENDPOINT][,id=NAME][,model=NAME]``. The address (ip:port) comes from the URL.
+``URL[,events=ENDPOINT][,replay=ENDPOINT][,id=NAME][,model=NAME][,lora=NAME]``. The address (ip:port) comes from
+the URL.
 """
 
 from __future__ import annotations
@@ -43,16 +44,30 @@ def _spec(entry: dict[str, Any], where: str) -> WorkerSpec:
     url = entry.get("url")
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise DiscoveryError(f"{where}: 'url' must be an http(s) URL, got {url!r}")
-    unknown = set(entry) - {"id", "url", "events", "replay", "topic", "models", "model", "loras", "role"}
+    unknown = set(entry) - {"id", "url", "events", "replay", "topic", "models", "model", "loras", "lora", "role"}
     if unknown:
         raise DiscoveryError(f"{where}: unknown keys {sorted(unknown)}")
     role = entry.get("role") or "both"
     if role not in ROLES:
         raise DiscoveryError(f"{where}: 'role' must be one of {ROLES}, got {role!r}")
-    models = entry.get("models") or ([entry["model"]] if entry.get("model") else [])
+    models = _names(entry, "models", "model", where)
     wid = entry.get("id") or urlsplit(url).netloc
     return WorkerSpec(str(wid), url.rstrip("/"), entry.get("events"), entry.get("replay"), entry.get("topic") or "",
-                      frozenset(models), frozenset(entry.get("loras") or []), role)
+                      models, _names(entry, "loras", "lora", where), role)
+
+
+def _names(entry: dict[str, Any], plural: str, single: str, where: str) -> frozenset[str]:
+    """``models: [a, b]`` / ``model: a`` (and the same for LoRA adapters): a name given as a plain string is one
+    name (``--worker URL,model=a,lora=x``), never its letters."""
+    names: list[Any] = []
+    for key in (plural, single):
+        value = entry.get(key)
+        if value is None or value == "":
+            continue
+        names += [value] if isinstance(value, str) else list(value) if isinstance(value, list) else [None]
+    if not all(isinstance(n, str) and n for n in names):
+        raise DiscoveryError(f"{where}: '{plural}' must be a list of names ('{single}': one name)")
+    return frozenset(names)
 
 
 def parse_worker_arg(arg: str) -> WorkerSpec:

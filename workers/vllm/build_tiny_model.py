@@ -4,6 +4,9 @@
 transformers and torch). The tokenizer is kvrouter's bundled BPE (router/data), wrapped as a
 ``PreTrainedTokenizerFast`` with the same chat template, so kvrouter tokenizes exactly as the engine does.
 Model: LlamaConfig, 2 layers, hidden 128, 4 heads, 2 KV heads, random weights (REFERENCE.md section 3).
+``--lora NAME`` also writes a random rank-8 LoRA adapter for it (PEFT's layout: ``adapter_config.json`` and
+``adapter_model.safetensors``, on q_proj and v_proj) under ``OUT_DIR/NAME``, for ``--enable-lora --lora-modules
+NAME=OUT_DIR/NAME``.
 """
 
 from __future__ import annotations
@@ -34,5 +37,36 @@ def build(out: Path, seed: int = 0) -> Path:
     return out
 
 
+LORA_RANK = 8
+
+
+def build_lora(model_dir: Path, name: str, seed: int = 1) -> Path:
+    """A random LoRA adapter for the tiny model: what vLLM loads with ``--lora-modules NAME=PATH``."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    out_dims = {"q_proj": hidden, "v_proj": hidden // heads * kv_heads}
+    torch.manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for proj, out_dim in out_dims.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(LORA_RANK, hidden) * 0.01
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_dim, LORA_RANK) * 0.01
+    out = model_dir / name
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": 2 * LORA_RANK,
+        "lora_dropout": 0.0, "bias": "none", "target_modules": sorted(out_dims), "fan_in_fan_out": False,
+        "base_model_name_or_path": str(model_dir), "inference_mode": True}))
+    return out
+
+
 if __name__ == "__main__":
-    print(build(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/kvrouter-tiny-model")))
+    target = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/kvrouter-tiny-model")
+    print(build(target))
+    if "--lora" in sys.argv:
+        print(build_lora(target, sys.argv[sys.argv.index("--lora") + 1]))

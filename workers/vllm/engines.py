@@ -61,10 +61,11 @@ def ensure_vllm() -> Path:
     return VLLM_PY
 
 
-def build_tiny_model(out: Path) -> Path:
-    """The random-weight tiny Llama on kvrouter's bundled tokenizer (workers/vllm/build_tiny_model.py)."""
-    subprocess.run([str(ensure_vllm()), "-m", "workers.vllm.build_tiny_model", str(out)], check=True, cwd=ROOT,
-                   capture_output=True)
+def build_tiny_model(out: Path, lora: str | None = None) -> Path:
+    """The random-weight tiny Llama on kvrouter's bundled tokenizer (workers/vllm/build_tiny_model.py); with
+    ``lora``, a random LoRA adapter for it too, in ``out / lora``."""
+    subprocess.run([str(ensure_vllm()), "-m", "workers.vllm.build_tiny_model", str(out),
+                    *(("--lora", lora) if lora else ())], check=True, cwd=ROOT, capture_output=True)
     return out
 
 
