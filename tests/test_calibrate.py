@@ -29,8 +29,10 @@ from router.scheduling.calibration import (
 from router.scheduling.engine_profile import StepTiming, read_timing_file
 from workers.engine import TimingModel
 
-# a slower engine than the defaults (4x every coefficient): steps long beside the worker's loop and HTTP
-KNOWN = StepTiming(4 * 4.21e-7, 4 * 1.518e-2, 4 * 16.5, 4 * -25.74, 4 * 54.01, 4 * 5.74)
+# a slower engine than the defaults (8x every coefficient): steps long beside the simulated worker's own
+# per-step overhead (its loop and timer, about a millisecond a step, which calibrate measures as part of the step)
+SLOWER = 8
+KNOWN = StepTiming(*(SLOWER * v for v in (4.21e-7, 1.518e-2, 16.5, -25.74, 54.01, 5.74)))
 
 
 def test_chunks_are_cut_as_an_idle_vllm_scheduler_cuts_them():
@@ -75,7 +77,7 @@ def test_calibrating_the_simulated_worker_recovers_its_timing_file(tmp_path):
         # the budget is vLLM's GPU default: a whole step of 8K tokens is where the quadratic term shows
         (w,) = sim_workers(stack, 1, "--timing", str(known), "--num-gpu-blocks", "1024",
                            "--max-num-batched-tokens", "8192", "--max-model-len", "16384")
-        result = asyncio.run(run_calibration(w.url, {"max_prompt": 12000, "repeats": 1, "decode_tokens": 24},
+        result = asyncio.run(run_calibration(w.url, {"max_prompt": 12000, "repeats": 1, "decode_tokens": 16},
                                              None, progress=None))
     fitted = StepTiming(**{k: result[k] for k in ("prefill_a", "prefill_b", "prefill_c", "decode_a", "decode_b",
                                                   "decode_c")})

@@ -139,7 +139,9 @@ def test_filter_masks_equal_the_per_candidate_filters(seed):
 
 def reference_latency_cost(snap: Snapshot, cands: list) -> list[float]:
     """The objective per candidate, as the scorer computed it before it was vectorised: a ``Columns`` row and a
-    memory wait (``Snapshot.memory_wait_s``) per candidate."""
+    memory wait (``Snapshot.memory_wait_s``) per candidate. (A LoRA request's adapter terms are added after the
+    objective, the same way on every path: ``LatencyCost.objective`` is what this equals; tests/test_lora.py
+    holds the adapter's terms.)"""
     req, costs = snap.request, snap.costs
     matches = snap.matches()
     keys = req.keys
@@ -165,7 +167,7 @@ def test_latency_cost_arrays_equal_the_per_candidate_objective(seed):
     rng = random.Random(seed)
     keep = np.array([i for i in range(snap.size) if rng.random() < 0.8], dtype=np.int64)
     snap.set_eligible_slots(keep)
-    got = LatencyCost().score_slots(snap, keep).tolist()
+    got = LatencyCost().objective(snap, keep).tolist()
     want, est = reference_latency_cost(snap, snap.eligible)
     assert got == want  # to the last bit: the picker's ties depend on it
     for k, c in enumerate(snap.eligible):  # the terms the reports show
@@ -181,7 +183,7 @@ def test_memory_wait_arrays_equal_the_per_candidate_wait(seed):
     schedules) equals each worker's own ``release_wait_s``, and is priced somewhere."""
     core, req = random_fleet(seed, n=30, tight=True)
     snap = Snapshot(core.state, req, NOW)
-    got = LatencyCost().score_slots(snap, np.arange(snap.size)).tolist()
+    got = LatencyCost().objective(snap, np.arange(snap.size)).tolist()
     assert got == reference_latency_cost(snap, snap.candidates)[0]
     assert any(snap.memory_wait_s(c, 0.01) > 0 for c in snap.candidates)
 
@@ -195,7 +197,7 @@ def test_latency_cost_after_the_fleet_changes_between_decisions(seed):
     for step in range(8):
         snap = Snapshot(core.state, req, NOW)
         everyone = np.arange(snap.size)
-        got = LatencyCost().score_slots(snap, everyone).tolist()
+        got = LatencyCost().objective(snap, everyone).tolist()
         assert got == reference_latency_cost(snap, snap.candidates)[0], step
         wid = f"w{rng.randrange(12)}"
         u = rng.random()

@@ -9,8 +9,10 @@ two orders of magnitude and a router cares about the error in proportion to the 
 A prompt longer than the engine's token budget (``max_num_batched_tokens``) is prefilled in several steps: full
 budget-sized chunks, then the rest, as vLLM's scheduler cuts it (an idle engine gives the whole budget to one
 prompt). The budget is found the same way as the coefficients: the fit is solved for every candidate budget,
-multiples of ``BUDGET_STEP`` up to the longest prompt measured, and the candidate with the least residual wins; a
-budget above every prompt measured is not seen, and is reported as not found.
+multiples of ``BUDGET_STEP`` up to the longest prompt measured, and the candidate with the least residual wins if it
+explains the data clearly better than no chunking (``BUDGET_EVIDENCE``); a budget above every prompt measured is
+not seen, and is reported as not found. The prefill coefficients are held non-negative (a prompt's cost cannot
+shrink with its tokens: a noisy engine's samples can pull an unconstrained quadratic below zero).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 from router.scheduling.engine_profile import StepTiming
 
 BUDGET_STEP = 256  # the budget is found to this many tokens
+BUDGET_EVIDENCE = 0.5  # a budget must halve the squared residuals of the fit without chunking to be believed
 
 
 @dataclass(frozen=True)
@@ -82,10 +85,21 @@ def prefill_ms(timing: StepTiming, tokens: int, budget: int | None) -> float:
     return sum(timing.prefill_ms(x) for x in prefill_chunks(tokens, budget))
 
 
-def _solve(rows: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Least squares on relative errors: each row scaled by 1/y. The coefficients, and the relative residuals."""
+def _solve(rows: np.ndarray, y: np.ndarray, nonnegative: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Least squares on relative errors: each row scaled by 1/y. The coefficients, and the relative residuals.
+    ``nonnegative``: no coefficient below 0 (a prefill's cost cannot shrink with its tokens): one that comes out
+    negative is held at 0 and the others refitted, until none does."""
     w = 1.0 / y
-    coef, *_ = np.linalg.lstsq(rows * w[:, None], np.ones_like(y), rcond=None)
+    scaled = rows * w[:, None]
+    free = np.ones(rows.shape[1], dtype=bool)
+    coef = np.zeros(rows.shape[1])
+    while free.any():
+        sol, *_ = np.linalg.lstsq(scaled[:, free], np.ones_like(y), rcond=None)
+        coef[:] = 0.0
+        coef[free] = sol
+        if not nonnegative or (coef >= 0).all():
+            break
+        free &= coef > 0
     return coef, rows @ coef / y - 1.0
 
 
@@ -109,16 +123,20 @@ def fit_prefill(samples: Sequence[PrefillSample], budget: int | None = None) -> 
         raise ValueError("the prefill fit needs prompts of at least three different lengths")
     y = np.array([s.ttft_s * 1000.0 for s in usable])
     if budget is not None:
-        coef, rel = _solve(_prefill_rows(usable, budget), y)
+        coef, rel = _solve(_prefill_rows(usable, budget), y, nonnegative=True)
         return _term(coef, rel), budget
     longest = max(s.uncached_tokens for s in usable)
-    best: tuple[float, int | None, np.ndarray, np.ndarray] | None = None
-    for candidate in [None, *range(BUDGET_STEP, longest, BUDGET_STEP)]:  # None first: it wins a tie
-        coef, rel = _solve(_prefill_rows(usable, candidate), y)
+    unchunked = _solve(_prefill_rows(usable, None), y, nonnegative=True)
+    best: tuple[float, int | None, np.ndarray, np.ndarray] = (float(unchunked[1] @ unchunked[1]), None, *unchunked)
+    for candidate in range(BUDGET_STEP, longest, BUDGET_STEP):
+        coef, rel = _solve(_prefill_rows(usable, candidate), y, nonnegative=True)
         sse = float(rel @ rel)
-        if best is None or sse < best[0] * (1 - 1e-9):
+        if sse < best[0] * (1 - 1e-9):
             best = (sse, candidate, coef, rel)
-    assert best is not None
+    # a budget is found only where chunking explains the data clearly better than one step per prompt: on a noisy
+    # engine some candidate always fits the noise a little better (one step's few ms are within it)
+    if best[1] is not None and best[0] > BUDGET_EVIDENCE * float(unchunked[1] @ unchunked[1]):
+        best = (float(unchunked[1] @ unchunked[1]), None, *unchunked)
     _, found, coef, rel = best
     return _term(coef, rel), found
 

@@ -75,9 +75,9 @@ class LatencyCost(Scorer):
         return out.tolist()
 
     def score_slots(self, snap: Snapshot, slots: np.ndarray) -> np.ndarray:
-        """The objective of every candidate (``_priced``), with a LoRA request's adapter priced where it is not
+        """The objective of every candidate (``objective``), with a LoRA request's adapter priced where it is not
         loaded (``_with_adapter``)."""
-        scores = self._priced(snap, slots)
+        scores = self.objective(snap, slots)
         if snap.request.lora and snap.costs.params.lora_load_ms > 0:
             return self._with_adapter(snap, slots, np.asarray(scores, dtype=float))
         return scores
@@ -114,7 +114,7 @@ class LatencyCost(Scorer):
                          eviction_s=eviction, adapter_load_s=loads)
         return scores
 
-    def _priced(self, snap: Snapshot, slots: np.ndarray) -> np.ndarray:
+    def objective(self, snap: Snapshot, slots: np.ndarray) -> np.ndarray:
         """Every candidate priced by one formula (``_inputs``, then ``CostModel.terms``): compiled, in one pass
         over the candidates; without the extension on arrays over them, or, up to ``SCALAR_CANDIDATES`` of them,
         on each one's floats (the same scores every way)."""
