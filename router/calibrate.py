@@ -39,6 +39,7 @@ from router.scheduling.calibration import (
     DecodeSample,
     PrefillSample,
     calibrate,
+    fit_decode,
     kv_usage_over,
     prefill_ms,
 )
@@ -68,6 +69,8 @@ class Probe:
     prefill_client_s: list[float] = field(default_factory=list)  # the client's TTFT of each prefill sample
     hits: list[tuple[int, int, float]] = field(default_factory=list)  # (prompt tokens, cached tokens, TTFT s)
     decode: list[DecodeSample] = field(default_factory=list)
+    arrival_cost_s: float | None = None  # each short arrival's cost to the streams decoding beside it, measured
+    arrival_step_s: float | None = None  # the fitted decode step in that window
 
 
 @dataclass
@@ -123,7 +126,8 @@ class EngineClient:
             raise CalibrationError(f"{self.facts.url}/metrics has no {TTFT_METRIC}")
         return h
 
-    async def stream(self, prompt: list[int], max_tokens: int) -> Stream:
+    async def stream(self, prompt: list[int], max_tokens: int, on_token: asyncio.Event | None = None) -> Stream:
+        """One streamed completion; ``on_token`` is set when its first token arrives."""
         body = {"model": self.facts.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
         out = Stream(time.monotonic())
@@ -143,6 +147,8 @@ class EngineClient:
                     data = json.loads(line[6:])
                     if data.get("choices"):
                         out.token_times.append(now)
+                        if on_token is not None:
+                            on_token.set()
                     usage = data.get("usage")
                     if usage:
                         out.prompt_tokens = usage.get("prompt_tokens", 0)
@@ -278,12 +284,57 @@ class Calibrator:
                 probe.decode.append(DecodeSample(usage, float(np.median(steps)), batch))
             self.progress("decode", i + 1, len(shapes))
 
+    async def arrivals(self, probe: Probe, count: int = 4, tokens: int = 32) -> None:
+        """A decode window with short prompts arriving during it, one after another: what each arrival costs the
+        streams decoding beside it, measured (the window's time beyond its steps at the fitted decode step, per
+        arrival inside it) against the shape's price of it (its prefill step's excess over a decode step).
+        Reported, not fitted: an engine whose own per-request work (parsing a prompt, formatting its tokens)
+        shares the model's CPU shows here as a cost the shape does not have."""
+        facts = self.client.facts
+        shapes = decode_shapes(self.plan, facts)
+        try:
+            step_fit = fit_decode(probe.decode)
+        except ValueError:
+            return
+        if not shapes:
+            return
+        batch, prompt = shapes[len(shapes) // 2]
+        m = 3 * self.plan.decode_tokens
+        sent: list[tuple[float, float]] = []  # (sent, first token) of each arrival
+
+        async def arrive() -> None:
+            while not started.is_set():
+                await asyncio.sleep(0.001)
+            for _ in range(count):
+                s = await self.client.stream(self.fresh(tokens), 1)
+                sent.append((s.started, s.token_times[0]))
+
+        started = asyncio.Event()
+
+        async def decoding() -> Stream:
+            s = await self.client.stream(self.fresh(prompt), m, on_token=started)
+            return s
+
+        streams, _ = await asyncio.gather(asyncio.gather(*(decoding() for _ in range(batch))), arrive())
+        start = max(s.token_times[0] for s in streams)
+        end = min(s.token_times[-1] for s in streams)
+        inside = [a for a in sent if start < a[1] < end]
+        if not inside or end <= start:
+            return
+        per_stream = [sum(1 for t in s.token_times if start <= t <= end) - 1 for s in streams]
+        steps = float(np.median(per_stream))
+        usage = kv_usage_over(batch, prompt, 0, m - 1, facts.block_size, facts.num_gpu_blocks)
+        step_s = max(0.0, step_fit.a * usage * usage + step_fit.b * usage + step_fit.c) / 1000.0
+        probe.arrival_cost_s = ((end - start) - steps * step_s) / len(inside)
+        probe.arrival_step_s = step_s
+
     async def run(self) -> Probe:
         probe = Probe()
         await self.check_prefix_caching()
         await self.prefill(probe)
         await self.hits(probe)
         await self.decode(probe)
+        await self.arrivals(probe)
         return probe
 
 
@@ -305,6 +356,11 @@ def report(facts: EngineFacts, probe: Probe, cal: Calibration) -> dict[str, Any]
             "client_overhead_ms_median": round(float(np.median(overhead)) * 1000, 3) if overhead else None,
             "prefix_hits": hits,
             "load_back": "not measured (the default kept)",
+            # a short prompt arriving during a decode window: what it cost the streams there, measured, against
+            # the shape's price (its prefill step beyond a decode step); reported, not fitted
+            "arrival_cost_ms": None if probe.arrival_cost_s is None else round(probe.arrival_cost_s * 1000, 3),
+            "arrival_model_ms": None if probe.arrival_step_s is None else round(max(
+                0.0, t.prefill_ms(32) - probe.arrival_step_s * 1000), 3),
             "prefill_samples": [[s.uncached_tokens, round(s.ttft_s * 1000, 3)] for s in probe.prefill],
             "decode_samples": [[round(s.kv_usage, 4), round(s.step_s * 1000, 3), s.batch] for s in probe.decode],
         },
@@ -350,6 +406,9 @@ def summary(result: dict[str, Any]) -> str:
         f"{d['max_relative_residual']:.1%})",
         f"token budget    = {budget if budget is not None else 'not reached by the longest prompt'}",
     ]
+    if c.get("arrival_cost_ms") is not None:
+        lines.append(f"an arrival during decode cost the streams {c['arrival_cost_ms']:.1f} ms against the "
+                     f"shape's {c['arrival_model_ms']:.1f} ms")
     for h in c["prefix_hits"]:
         lines.append(f"prefix hit: {h['cached_tokens']}/{h['prompt_tokens']} tokens cached, TTFT "
                      f"{h['ttft_ms']:.1f} ms against the shape's {h['model_ms']:.1f} ms")

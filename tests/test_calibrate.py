@@ -87,6 +87,12 @@ def test_calibrating_the_simulated_worker_recovers_its_timing_file(tmp_path):
     loads = [s[0] for s in result["calibration"]["decode_samples"]]
     assert len(loads) >= 3 and min(loads) < 0.2 and max(loads) > 0.6
     assert _step_errors(fitted, 8192, prefill_lengths(12000), list(np.linspace(min(loads), max(loads), 9))) < 0.05
+    # a short prompt arriving during a decode window costs the streams there what the shape says (its prefill
+    # step's excess over a decode step), within a tenth of a step: the engine model has no other cost for it
+    cal = result["calibration"]
+    assert cal["arrival_cost_ms"] is not None
+    step_ms = fitted.decode_ms(0.5)
+    assert abs(cal["arrival_cost_ms"] - cal["arrival_model_ms"]) < 0.1 * step_ms, cal
     # a prefix hit costs its uncached tokens: the shape's price of the tail, as measured
     for hit in result["calibration"]["prefix_hits"]:
         assert hit["cached_tokens"] > 0 and hit["ttft_ms"] == pytest.approx(hit["model_ms"], rel=0.10)

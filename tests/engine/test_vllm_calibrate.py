@@ -36,6 +36,8 @@ def test_calibrate_a_real_engine(engines, tmp_path):
     budget = result["step_token_budget"]
     assert prefill_ms(timing, longest[0], budget) > prefill_ms(timing, shortest[0], budget)
     assert min(timing.prefill_a, timing.prefill_b, timing.prefill_c) >= 0
+    # what an arrival during decode costs is measured and reported beside the shape's price
+    assert cal["arrival_cost_ms"] is not None and cal["arrival_model_ms"] is not None
     # the hit probes came back with the engine's cached tokens (prefix caching found on)
     assert all(h["cached_tokens"] > 0 for h in cal["prefix_hits"])
     cfg = load_config(None, {"routing.timing_file": str(path)}, environ={})
