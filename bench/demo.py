@@ -266,6 +266,13 @@ def chart(runs: list[PolicyRun], path: Path) -> Path:
     a2.set_ylabel("prompt tokens served from cache (%)")
     a2.set_title("Cache hit rate (workers' cached_tokens)")
     fig.suptitle("kvrouter demo: same shared-prefix workload per policy")
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay out, write as PNG (its folder made), close: every bench chart ends so."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

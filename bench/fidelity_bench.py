@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from bench.demo import DemoRequest, PolicyRun, run_policy
+from bench.demo import DemoRequest, PolicyRun, run_policy, save_figure
 from bench.load import p99, sim_workers
 from router.scheduling import CostParams, RoutingConfig
 from router.scheduling.engine_profile import TIMING_KEYS, read_timing_file
@@ -150,7 +150,7 @@ async def engine_histograms(urls: list[str]) -> dict[str, tuple[float, float]]:
     """(sum, count) over the fleet of the engines' own TTFT and inter-token histograms (where they have them)."""
     import aiohttp
 
-    from router.calibrate import _histogram
+    from router.calibrate import histogram_sum_count
 
     out: dict[str, tuple[float, float]] = {}
     async with aiohttp.ClientSession() as session:
@@ -159,7 +159,7 @@ async def engine_histograms(urls: list[str]) -> dict[str, tuple[float, float]]:
                 text = await r.text()
             for key, names in ENGINE_HISTOGRAMS.items():
                 for name in names:
-                    h = _histogram(text, name)
+                    h = histogram_sum_count(text, name)
                     if h is not None:
                         s, c = out.get(key, (0.0, 0.0))
                         out[key] = (s + h[0], c + h[1])
@@ -377,11 +377,7 @@ def chart(res: dict[str, Any], path: Path) -> Path:
         ax.set_ylabel(label)
         ax.legend()
     fig.suptitle(f"kvrouter bench fidelity: {res['engines']} {res['backend']} engines, {res['requests']} requests")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -43,6 +43,7 @@ from router.scheduling.calibration import (
     kv_usage_over,
     prefill_ms,
 )
+from router.scheduling.engine_profile import StepTiming
 
 TOKEN_IDS = (10, 3990)  # fresh prompts draw from here: inside every vocabulary of 4,000 tokens or more
 TTFT_METRIC = "vllm:time_to_first_token_seconds"
@@ -83,7 +84,7 @@ class Stream:
     cached_tokens: int = 0
 
 
-def _histogram(text: str, name: str) -> tuple[float, float] | None:
+def histogram_sum_count(text: str, name: str) -> tuple[float, float] | None:
     """(sum, count) of a histogram, summed over its label sets; None if absent."""
     total = count = 0.0
     seen = False
@@ -121,7 +122,7 @@ class EngineClient:
             return await r.text()
 
     async def ttft_histogram(self) -> tuple[float, float]:
-        h = _histogram(await self.metrics(), TTFT_METRIC)
+        h = histogram_sum_count(await self.metrics(), TTFT_METRIC)
         if h is None:
             raise CalibrationError(f"{self.facts.url}/metrics has no {TTFT_METRIC}")
         return h
@@ -173,7 +174,7 @@ async def engine_facts(session: aiohttp.ClientSession, url: str) -> EngineFacts:
     if cache is None:
         raise CalibrationError(f"{url}/metrics has no vllm:cache_config_info (block size, KV blocks): calibrate "
                                "reads a vLLM engine's own metrics; is this a vLLM engine, with metrics on?")
-    if _histogram(text, TTFT_METRIC) is None:
+    if histogram_sum_count(text, TTFT_METRIC) is None:
         raise CalibrationError(f"{url}/metrics has no {TTFT_METRIC}")
     return EngineFacts(url, models[0]["id"], cache[0], cache[1], models[0].get("max_model_len"))
 
@@ -195,6 +196,11 @@ class Plan:
     decode_tokens: int = 32
     batches: tuple[int, ...] = (1, 4, 16, 32)
     loads: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.85)
+
+
+def decode_window(streams: list[Stream]) -> tuple[float, float]:
+    """When every one of ``streams`` decodes: from the last first token to the first last token."""
+    return max(s.token_times[0] for s in streams), min(s.token_times[-1] for s in streams)
 
 
 def prefill_lengths(max_prompt: int) -> list[int]:
@@ -244,24 +250,25 @@ class Calibrator:
             await self.client.stream(self.fresh(min(warm, self.plan.max_prompt)), 1)
         todo = [n for n in lengths for _ in range(self.plan.repeats)]
         for i, n in enumerate(todo):
-            before = await self.client.ttft_histogram()
-            s = await self.client.stream(self.fresh(n), 1)
-            after = await self.client.ttft_histogram()
-            client_ttft = s.token_times[0] - s.started
-            engine_ttft = after[0] - before[0] if after[1] - before[1] == 1 else client_ttft
+            s, engine_ttft = await self.timed(self.fresh(n))
             probe.prefill.append(PrefillSample(n - s.cached_tokens, engine_ttft))
-            probe.prefill_client_s.append(client_ttft)
+            probe.prefill_client_s.append(s.token_times[0] - s.started)
             self.progress("prefill", i + 1, len(todo))
+
+    async def timed(self, prompt: list[int]) -> tuple[Stream, float]:
+        """One prompt alone on the engine, and its TTFT as the engine measured it (the change in its histogram's
+        sum across this one request; the client's where another request slipped in)."""
+        before = await self.client.ttft_histogram()
+        s = await self.client.stream(prompt, 1)
+        after = await self.client.ttft_histogram()
+        return s, after[0] - before[0] if after[1] - before[1] == 1 else s.token_times[0] - s.started
 
     async def hits(self, probe: Probe) -> None:
         bs = self.client.facts.block_size
         for n in (8 * bs, min(32 * bs, self.plan.max_prompt - bs)):
             base = self.fresh(n)
             await self.client.stream(base, 1)
-            before = await self.client.ttft_histogram()
-            s = await self.client.stream(base + self.fresh(bs // 2), 1)
-            after = await self.client.ttft_histogram()
-            ttft = after[0] - before[0] if after[1] - before[1] == 1 else s.token_times[0] - s.started
+            s, ttft = await self.timed(base + self.fresh(bs // 2))
             probe.hits.append((s.prompt_tokens, s.cached_tokens, ttft))
 
     async def decode(self, probe: Probe) -> None:
@@ -269,8 +276,7 @@ class Calibrator:
         shapes = decode_shapes(self.plan, facts)
         for i, (batch, prompt) in enumerate(shapes):
             streams = await asyncio.gather(*(self.client.stream(self.fresh(prompt), m) for _ in range(batch)))
-            start = max(s.token_times[0] for s in streams)  # every request has its first token: all decode
-            end = min(s.token_times[-1] for s in streams)  # until the first finishes
+            start, end = decode_window(streams)
             steps, firsts, lasts = [], [], []
             for s in streams:
                 idx = [j for j, t in enumerate(s.token_times) if start <= t <= end]
@@ -302,29 +308,25 @@ class Calibrator:
         m = 3 * self.plan.decode_tokens
         sent: list[tuple[float, float]] = []  # (sent, first token) of each arrival
 
+        started = asyncio.Event()  # a decoding stream's first token: the arrivals go from then on
+
         async def arrive() -> None:
-            while not started.is_set():
-                await asyncio.sleep(0.001)
+            await started.wait()
             for _ in range(count):
                 s = await self.client.stream(self.fresh(tokens), 1)
                 sent.append((s.started, s.token_times[0]))
 
-        started = asyncio.Event()
-
-        async def decoding() -> Stream:
-            s = await self.client.stream(self.fresh(prompt), m, on_token=started)
-            return s
-
-        streams, _ = await asyncio.gather(asyncio.gather(*(decoding() for _ in range(batch))), arrive())
-        start = max(s.token_times[0] for s in streams)
-        end = min(s.token_times[-1] for s in streams)
+        streams, _ = await asyncio.gather(
+            asyncio.gather(*(self.client.stream(self.fresh(prompt), m, on_token=started) for _ in range(batch))),
+            arrive())
+        start, end = decode_window(streams)
         inside = [a for a in sent if start < a[1] < end]
         if not inside or end <= start:
             return
         per_stream = [sum(1 for t in s.token_times if start <= t <= end) - 1 for s in streams]
         steps = float(np.median(per_stream))
         usage = kv_usage_over(batch, prompt, 0, m - 1, facts.block_size, facts.num_gpu_blocks)
-        step_s = max(0.0, step_fit.a * usage * usage + step_fit.b * usage + step_fit.c) / 1000.0
+        step_s = StepTiming(decode_a=step_fit.a, decode_b=step_fit.b, decode_c=step_fit.c).decode_ms(usage) / 1000.0
         probe.arrival_cost_s = ((end - start) - steps * step_s) / len(inside)
         probe.arrival_step_s = step_s
 

@@ -95,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
         args.gpu_blocks = args.kv_tokens // args.block_size
     timing, budget = TimingModel(), EngineConfig.max_num_batched_tokens
     if args.timing:  # a calibrated engine: its coefficients, and its token budget where the file has one
-        timing = TimingModel.from_file(args.timing)
-        budget = read_timing_file(args.timing).step_token_budget or budget
+        spec = read_timing_file(args.timing)
+        timing, budget = TimingModel(**spec.coefficients), spec.step_token_budget or budget
     engine = EngineConfig(num_gpu_blocks=args.gpu_blocks, block_size=args.block_size, cpu_blocks=args.cpu_blocks,
                           max_model_len=args.max_model_len, timing=timing, max_num_batched_tokens=budget)
     source = args.trace or args.workload

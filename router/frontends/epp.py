@@ -45,8 +45,16 @@ from router.frontends.api_paths import GENERATE_PATHS, TOKENIZER_PATHS, api_path
 from router.frontends.fleet import Fleet, fleet_from_config
 from router.frontends.flow_gate import FlowGate
 from router.frontends.h2grpc import ConnectionLimits, GrpcServer
+from router.frontends.http1 import error_body
 from router.frontends.metrics import RouterMetrics
-from router.frontends.openai import BadRequest, RequestParser, new_request_id, request_objective, salt_rule
+from router.frontends.openai import (
+    BadRequest,
+    RequestParser,
+    model_not_found,
+    new_request_id,
+    request_objective,
+    salt_rule,
+)
 from router.frontends.processes import ProcessSlot, start_shared_load
 from router.frontends.proxy import cached_tokens_of, output_tokens_from, usage_from
 from router.scheduling import Decision, Dispatch, RouteRequest, RoutingCore
@@ -369,10 +377,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
     def _refusal(self, decision: Decision, request: RouteRequest | None = None) -> pb.ProcessingResponse:
         if decision.outcome == "no_endpoint" and request is not None and self.core.serves_nobody(request):
             self.metrics.count_request("404")  # a model no endpoint serves: vLLM's answer for an unknown model
-            message = f"The model `{request.lora or request.model}` does not exist."
-            body = json.dumps({"object": "error", "message": message, "type": "NotFoundError", "param": None,
-                               "code": 404}).encode()
-            return _immediate_json(404, body, message[:200])
+            message = model_not_found(request.lora or request.model)
+            return _immediate_json(404, json.dumps(error_body(404, message, "NotFoundError")).encode(), message[:200])
         if decision.outcome == "shed":
             self.metrics.count_request("429")
             return _immediate(429, decision.reason, retry_after=max(1, round(decision.retry_after_s)))

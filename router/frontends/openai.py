@@ -263,7 +263,12 @@ def _model_tokenizer(body: dict[str, Any], tokenizer_for: Callable[[str | None],
     try:
         return model, tokenizer_for(model)
     except KeyError:
-        raise BadRequest(f"The model `{model}` does not exist.", 404) from None
+        raise BadRequest(model_not_found(model), 404) from None
+
+
+def model_not_found(name: str | None) -> str:
+    """vLLM's own words for a model it does not serve (the proxy and the picker answer a 404 with them)."""
+    return f"The model `{name}` does not exist."
 
 
 def parse_body(raw: bytes, path: str, tokenizer_for: Callable[[str | None], PromptTokenizer],

@@ -49,6 +49,7 @@ from router.frontends.openai import (
     RequestParser,
     SaltRule,
     merge_completions,
+    model_not_found,
     new_request_id,
     request_objective,
     salt_rule,
@@ -349,7 +350,7 @@ class ProxyServer:
                  request: RouteRequest | None = None) -> Response:
         if decision.outcome == "no_endpoint" and request is not None and self.core.serves_nobody(request):
             self.metrics.count_request("404")  # a model no worker serves: vLLM's own answer for an unknown model
-            return error(404, f"The model `{request.lora or request.model}` does not exist.", "NotFoundError")
+            return error(404, model_not_found(request.lora or request.model), "NotFoundError")
         if decision.outcome == "shed":
             self.metrics.count_request("429")
             self.metrics.count_objective(objective, None, None, shed=True)

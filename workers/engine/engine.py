@@ -382,22 +382,13 @@ class EngineModel:
         cannot join the batch (every LoRA slot held by an adapter running requests use) is skipped, as vLLM's
         scheduler skips it, and stays at its place in the queue."""
         self._step_lora_ms = 0.0
-        if not self.config.max_loras:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                req = self.waiting[0]
-                n, loaded = self._admit(req, budget)
-                if n == 0:
-                    return
-                self.waiting.popleft()
-                budget -= n
-                yield req, n, loaded
-            return
-        active = {r.lora_name for r in self.running if r.lora_name}
+        slots = self.config.max_loras  # 0: adapters are not limited, nor loaded
+        active = {r.lora_name for r in self.running if r.lora_name} if slots else set()
         skipped: list[EngineRequest] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            adapter = req.lora_name
-            if adapter and adapter not in active and len(active) >= self.config.max_loras:
+            adapter = req.lora_name if slots else None
+            if adapter and adapter not in active and len(active) >= slots:
                 skipped.append(self.waiting.popleft())
                 continue
             n, loaded = self._admit(req, budget)
@@ -409,7 +400,8 @@ class EngineModel:
                 self._load_adapter(adapter, active)
             budget -= n
             yield req, n, loaded
-        self.waiting.extendleft(reversed(skipped))
+        if skipped:
+            self.waiting.extendleft(reversed(skipped))
 
     def _load_adapter(self, adapter: str, active: set[str]) -> None:
         """``adapter`` joins the batch: loaded into a slot unless it holds one (an idle adapter's slot is taken,

@@ -39,10 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_worker(args: argparse.Namespace) -> SimWorker:
     tok = PromptTokenizer(args.tokenizer)
-    timing = TimingModel.from_file(args.timing) if args.timing else TimingModel()
+    spec = read_timing_file(args.timing) if args.timing else None
+    timing = TimingModel(**spec.coefficients) if spec else TimingModel()
     budget = args.max_num_batched_tokens
-    if budget is None:
-        budget = (read_timing_file(args.timing).step_token_budget if args.timing else None) or 8192
+    if budget is None:  # the file's (a calibrated engine's), else vLLM's GPU default
+        budget = (spec.step_token_budget if spec else None) or 8192
     engine = EngineModel(EngineConfig(
         num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size, cpu_blocks=args.cpu_blocks,
         max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
