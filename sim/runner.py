@@ -90,6 +90,11 @@ class RequestRecord:
     error: str | None = None  # why the engine rejected it, or why it failed
     objective: ServiceObjective = NO_OBJECTIVE
     tenant: str | None = None
+    # what the router predicted when it sent it (the chosen candidate's report; None: the profile predicts
+    # nothing), and when it sent it (a held request's wait in the router is not the engine's to predict)
+    dispatched_at: float | None = None
+    predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -350,6 +355,11 @@ class Simulation:
         """Send a routed request to its worker (and its prefill worker, when split); ``False`` when the engine
         refused it (an HTTP 400: it ends here)."""
         w = decision.ranked[0]
+        rec.dispatched_at = now
+        report = decision.report(w)
+        if report is not None and report.ttft_s > 0:
+            rec.predicted_ttft_s = report.ttft_s
+            rec.predicted_tpot_s = report.step_s if report.step_s > 0 else None
         plan = None
         if self.disaggregated:
             self.deciding = (r, tokens)  # the prefill worker's decision is this request's too (sim plugins)
@@ -532,6 +542,7 @@ def summarise(result: SimResult) -> dict[str, Any]:
     return {
         "ttft_mean_s": float(ttft.mean()),
         "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p90_s": float(np.percentile(ttft, 90)),
         "ttft_p99_s": float(np.percentile(ttft, 99)),
         "e2e_mean_s": float(e2e.mean()),
         "e2e_p99_s": float(np.percentile(e2e, 99)),
@@ -551,7 +562,58 @@ def summarise(result: SimResult) -> dict[str, Any]:
         "slo_by_priority": attainment["by_priority"],
         "slo_by_tenant": attainment["by_tenant"],
         "fleet_changes": fleet_changes(result),
+        "prediction": prediction_quality(routed),
     }
+
+
+def _rank(values: np.ndarray) -> np.ndarray:
+    """Ranks with ties given their mean rank (Spearman's convention)."""
+    order = np.argsort(values, kind="mergesort")
+    ranks = np.empty(len(values))
+    ranks[order] = np.arange(len(values), dtype=float)
+    _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    sums = np.bincount(inverse, weights=ranks)
+    return sums[inverse] / counts[inverse]
+
+
+def rank_correlation(a: np.ndarray, b: np.ndarray) -> float | None:
+    """Spearman's rank correlation; None where either side has no spread (a constant says nothing of order)."""
+    if len(a) < 2:
+        return None
+    ra, rb = _rank(a), _rank(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return None
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def _errors(predicted: list[float], realised: list[float]) -> dict[str, float | int | None]:
+    p, r = np.array(predicted), np.array(realised)
+    rel = np.abs(p - r) / np.maximum(r, 1e-9)
+    return {"median_rel_error": float(np.median(rel)), "p90_rel_error": float(np.percentile(rel, 90)),
+            "rank_corr": rank_correlation(p, r), "n": len(p)}
+
+
+def prediction_quality(records: Sequence[RequestRecord]) -> dict[str, float | int | None] | None:
+    """How well the router predicted what it routed on: per served request, the chosen worker's predicted TTFT
+    and time per output token at the decision that sent it, against what the engine then gave (TTFT from that
+    dispatch, so a wait in the router's own queue is not counted against the engine's prediction). Median and
+    p90 relative error and Spearman's rank correlation; None for a profile that predicts nothing."""
+    ttft_p, ttft_r, tpot_p, tpot_r = [], [], [], []
+    for rec in records:
+        if rec.predicted_ttft_s is None or rec.first_token_at is None or rec.dispatched_at is None:
+            continue
+        ttft_p.append(rec.predicted_ttft_s)
+        ttft_r.append(rec.first_token_at - rec.dispatched_at)
+        tpot = rec.tpot
+        if rec.predicted_tpot_s is not None and tpot is not None:
+            tpot_p.append(rec.predicted_tpot_s)
+            tpot_r.append(tpot)
+    if not ttft_p:
+        return None
+    out: dict[str, float | int | None] = {f"ttft_{k}": v for k, v in _errors(ttft_p, ttft_r).items()}
+    if tpot_p:
+        out.update({f"tpot_{k}": v for k, v in _errors(tpot_p, tpot_r).items()})
+    return out
 
 
 FAIR_SHARE_WINDOW_S = 5.0  # a joined worker's share of arrivals is counted over windows this long

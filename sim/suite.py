@@ -58,10 +58,10 @@ SYNTH_ENGINE = EngineConfig(num_gpu_blocks=8192, block_size=16)  # 128K tokens o
 PRESSURE_GPU_BLOCKS = 2048  # 32K tokens per worker: the eviction and offload scenarios' small caches
 PRESSURE_GPU_BLOCKS_QUICK = 512
 WORKERS = 8
-SUMMARY_KEYS = ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "e2e_mean_s", "e2e_p99_s", "tpot_mean_s", "hit_rate",
-                "load_imbalance", "throughput_tok_s", "rejected", "failed", "shed", "no_endpoint", "completed",
-                "requests", "wall_s", "slo_attainment", "goodput_rps", "slo_by_priority", "slo_by_tenant",
-                "fleet_changes")
+SUMMARY_KEYS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_mean_s", "e2e_p99_s", "tpot_mean_s",
+                "hit_rate", "load_imbalance", "throughput_tok_s", "rejected", "failed", "shed", "no_endpoint",
+                "completed", "requests", "wall_s", "slo_attainment", "goodput_rps", "slo_by_priority", "slo_by_tenant",
+                "fleet_changes", "prediction")
 
 
 @dataclass

@@ -183,3 +183,37 @@ def test_cli_json_has_the_stable_keys():
         assert {"ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "hit_rate", "throughput_tok_s", "shed"} <= set(p)
     assert 0 < data["bound_hit_rate"] <= 1
     assert data["policies"]["precise"]["hit_rate"] <= data["bound_hit_rate"]
+
+
+# ---- prediction quality (issue 51): predicted at the decision against what the engine then gave -----------------
+
+def test_prediction_quality_is_exact_for_exact_predictions_and_reads_order():
+    from sim.runner import RequestRecord, prediction_quality, rank_correlation
+
+    recs = []
+    for i, (pred, real) in enumerate([(0.1, 0.1), (0.2, 0.2), (0.4, 0.4)]):
+        recs.append(RequestRecord(f"r{i}", arrival=0.0, worker="w0", prompt_tokens=10, output_tokens=3,
+                                  first_token_at=1.0 + real, finished_at=1.0 + real + 0.02, dispatched_at=1.0,
+                                  predicted_ttft_s=pred, predicted_tpot_s=0.01))
+    q = prediction_quality(recs)
+    assert q is not None
+    # TTFT is counted from the dispatch (1.0), not the arrival (0.0): the router's own queue is not the engine's
+    assert q["ttft_median_rel_error"] == pytest.approx(0.0, abs=1e-9) and q["ttft_rank_corr"] == pytest.approx(1.0)
+    assert q["tpot_median_rel_error"] == pytest.approx(0.0, abs=1e-9) and q["tpot_n"] == 3
+    assert q["tpot_rank_corr"] is None  # every prediction the same: no order to compare
+    # predictions off by 2x in the reversed order: 100% error... and the opposite rank
+    for rec, pred in zip(recs, (0.8, 0.4, 0.2), strict=True):
+        rec.predicted_ttft_s = pred
+    q = prediction_quality(recs)
+    assert q["ttft_rank_corr"] == pytest.approx(-1.0) and q["ttft_p90_rel_error"] > 1.0
+    assert rank_correlation(np.array([1.0, 1.0, 2.0]), np.array([3.0, 3.0, 5.0])) == pytest.approx(1.0)
+
+
+def test_a_predicting_profile_reports_its_prediction_quality_and_a_blind_one_none():
+    reqs = [SimRequest(f"r{i}", i * 0.05, np.arange(i % 4 * 64, i % 4 * 64 + 256), 8) for i in range(40)]
+    precise = summarise(Simulation(reqs, SimConfig(workers=2, policy="precise", engine=SMALL)).run())
+    blind = summarise(Simulation(reqs, SimConfig(workers=2, policy="round_robin", engine=SMALL)).run())
+    assert precise["prediction"] is not None and precise["prediction"]["ttft_n"] == 40
+    assert 0 <= precise["prediction"]["ttft_median_rel_error"]
+    assert blind["prediction"] is None
+    assert precise["ttft_p50_s"] <= precise["ttft_p90_s"] <= precise["ttft_p99_s"]

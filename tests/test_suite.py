@@ -55,7 +55,11 @@ def test_quick_suite_has_every_scenario_and_every_profile_plus_the_oracle(quick_
             assert s["requests"] == sc["requests"]
             # nobody beats one infinite cache shared by all (it also holds every answer)
             assert s["hit_rate"] <= sc["bound_hit_rate"] + 1e-9, (name, policy)
-            assert s["ttft_p50_s"] <= s["ttft_p99_s"] and s["ttft_mean_s"] <= s["e2e_mean_s"]
+            assert s["ttft_p50_s"] <= s["ttft_p90_s"] <= s["ttft_p99_s"] and s["ttft_mean_s"] <= s["e2e_mean_s"]
+            if policy == "precise":  # the default profile predicts what it routes on: its errors are reported
+                pred = s["prediction"]
+                assert pred is not None and pred["ttft_n"] > 0, name
+                assert pred["ttft_median_rel_error"] <= pred["ttft_p90_rel_error"], name
             assert s["tpot_mean_s"] > 0
     st = quick_suite["standings"]
     assert set(st) == set(SCENARIOS)
