@@ -147,7 +147,7 @@ def _load_router_config(args: argparse.Namespace, extra: dict) -> object:
 
 
 def _run_router(args: argparse.Namespace, command: str, extra: dict, runner: Callable) -> int:
-    """Shared by serve and epp: logging, config (file + options) with clear errors, run until interrupted."""
+    """Shared by serve and epp: logging, config (file + options) with clear errors, run until signalled."""
     import logging
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -160,16 +160,19 @@ def _run_router(args: argparse.Namespace, command: str, extra: dict, runner: Cal
         from router.frontends.processes import supervise
 
         return supervise(command, config)
-    from router.frontends.event_loop import run
+    from router.frontends.event_loop import run, until_signalled
 
+    # SIGTERM or SIGINT: the router drains (not ready, no new connections, queued requests 429, requests in
+    # flight finish within grace_s), then exits 0; a second signal cuts the drain short. (KeyboardInterrupt:
+    # a Ctrl-C before the event loop is up.)
     with contextlib.suppress(KeyboardInterrupt):
-        run(runner(config))
+        run(until_signalled(runner(config)))
     return 0
 
 
 def _epp_overrides(args: argparse.Namespace) -> dict:
     return {"epp.port": args.port, "epp.health_port": args.health_port, "epp.metrics_port": args.metrics_port,
-            "epp.admin_port": args.admin_port}
+            "epp.admin_port": args.admin_port, "epp.rank_port": args.rank_port}
 
 
 def _epp(args: argparse.Namespace) -> int:
@@ -245,16 +248,21 @@ def _relay(args: argparse.Namespace) -> int:
     import logging
 
     from router.events.relay import Relay, Retention, parse_relay_worker, run_relay
+    from router.nats_connection import NatsAuth
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         sources = [parse_relay_worker(w) for w in args.worker]
+        auth = NatsAuth(user=args.bus_user, password_file=args.bus_password_file, token_file=args.bus_token_file,
+                        nkeys_seed=args.bus_nkeys_seed, creds_file=args.bus_creds, tls_ca=args.bus_tls_ca,
+                        tls_cert=args.bus_tls_cert, tls_key=args.bus_tls_key)
+        auth.check()
     except ValueError as e:
         print(f"kvrouter relay: {e}", file=sys.stderr)
         return 2
     retention = Retention(args.retention_age, args.retention_bytes, max_consumers=args.max_consumers)
     relay = Relay(args.bus, sources, block_size=args.block_size, snapshot_interval_s=args.snapshot_interval,
-                  retention=retention, outbox_limit=args.outbox)
+                  retention=retention, outbox_limit=args.outbox, auth=auth if auth.configured else None)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run_relay(relay))
     return 0
@@ -355,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--metrics-port", type=int, help="Prometheus metrics port (default 9090)")
     ep.add_argument("--admin-port", type=int, help="serve /admin/workers, /admin/drain, /admin/undrain here, on "
                     "admin.host (127.0.0.1); default: none")
+    ep.add_argument("--rank-port", type=int, help="serve kvrouter.v1.Picker/Rank here, on admin.host (127.0.0.1); "
+                    "default: none (it reports any tenant's cached blocks: never on the ext_proc port)")
     up = ep.add_argument_group("the upstream EPP's names (gateway-api-inference-extension cmd/epp)")
     up.add_argument("--pool-name", dest="inference_pool", action=_OneValue, help="= --inference-pool")
     up.add_argument("--pool-namespace", dest="namespace", type=_unset_if_empty, action=_OneValue,
@@ -383,6 +393,15 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--outbox", type=int, default=10_000, help="records held per worker while the bus is down; "
                     "beyond that they are dropped and the worker is unsynced (10000)")
     rl.add_argument("--log-level", default="info", type=str.lower, help="debug, info (default), warning, error")
+    au = rl.add_argument_group("bus authentication (docs/event-bus.md); secrets are read from files, never argv")
+    au.add_argument("--bus-user", help="NATS user (with --bus-password-file)")
+    au.add_argument("--bus-password-file", metavar="FILE", help="file holding the NATS user's password")
+    au.add_argument("--bus-token-file", metavar="FILE", help="file holding a NATS token")
+    au.add_argument("--bus-nkeys-seed", metavar="FILE", help="file holding the relay's nkey seed (SU...)")
+    au.add_argument("--bus-creds", metavar="FILE", help="a NATS .creds file (user JWT and seed)")
+    au.add_argument("--bus-tls-ca", metavar="PEM", help="CA the server's certificate must chain to")
+    au.add_argument("--bus-tls-cert", metavar="PEM", help="client certificate for mutual TLS")
+    au.add_argument("--bus-tls-key", metavar="PEM", help="the client certificate's key")
     rl.set_defaults(handler=_relay)
 
     ec = sub.add_parser("envoy-config", help="print an Envoy bootstrap that uses kvrouter epp (docs/envoy.md)")

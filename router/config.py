@@ -8,9 +8,11 @@ Every key has a default; unknown keys and wrong types are errors naming the key 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import random
 import re
+import secrets
 import types
 import typing
 from collections.abc import Mapping
@@ -22,12 +24,15 @@ import yaml
 
 from router.discovery import WorkerSpec, parse_worker_arg
 from router.discovery.static import _spec
+from router.nats_connection import NatsAuth
 from router.scheduling import CostParams, RoutingConfig, SchedulingConfig
 from router.scheduling.engine_profile import read_timing_file
 from router.scheduling.flow import FlowParams, parse_flow_params
 from router.scheduling.profiles import ProfileError, build_profile, parse_scheduling
 from router.scheduling.slo import ObjectiveError, SloConfig, parse_slo_config
 from router.tokenizer import DEFAULT_TOKENIZER_DIR
+
+log = logging.getLogger("kvrouter.config")
 
 
 class ConfigError(ValueError):
@@ -49,6 +54,9 @@ class HttpServerSettings:
     body_read_timeout_s: float = 60.0  # between two reads of a request's body (408 after)
     keepalive_timeout_s: float = 75.0  # a kept-alive connection with no request begun is closed after this
     max_connections: int = 10000  # client connections open at once; past it a new one is answered 503 and closed
+    # on SIGTERM/SIGINT (docs/configuration.md, "Shutdown"): requests in flight, streams included, get this long to
+    # finish before their connections are cut (keep it below Kubernetes' terminationGracePeriodSeconds)
+    grace_s: float = 10.0
 
 
 @dataclass
@@ -79,6 +87,10 @@ class EppSettings:
     # the fleet's admin (GET /admin/workers, POST /admin/drain and /admin/undrain) on admin.host at this port;
     # unset: none (the proxy's admin.port is 8001 by default: a picker beside it on one host must not take it)
     admin_port: int | None = None
+    # kvrouter.v1.Picker/Rank (router/frontends/rank.py) on admin.host at this port; unset: not served at all. Never
+    # on the ext_proc port: Rank reports the blocks cached per worker for any cache_salt it is given, an oracle on
+    # other tenants' prompts to whoever can reach it
+    rank_port: int | None = None
 
 
 @dataclass
@@ -106,10 +118,20 @@ class RouterConfig:
     workers_file: str | None = None
     events_bind: str | None = None  # bind one SUB socket that engines connect to (topic names the worker)
     events_bus: str | None = None  # nats://...: KV events from relays on NATS JetStream (docs/event-bus.md)
+    # the credentials and TLS the router presents to events_bus: user/password, token, nkeys_seed or creds_file,
+    # tls_ca/tls_cert/tls_key (docs/event-bus.md); secrets inline (KVROUTER_EVENTS_BUS_AUTH__PASSWORD) or as files
+    events_bus_auth: NatsAuth = field(default_factory=NatsAuth)
     tokenizer: str = str(DEFAULT_TOKENIZER_DIR)
     tokenizers: dict[str, str] = field(default_factory=dict)  # model -> tokenizer dir/file
     tenant_header: str | None = None  # when set, its value is the cache_salt (trusted gateway header)
     tenant_missing: str = "reject"  # with tenant_header set, a request without it: reject (400) | no_salt
+    # the key of the tenants' cache salts (HMAC-SHA256 of the tenant, router/frontends/openai.py tenant_salt), so
+    # that no one can guess another tenant's salt: inline (KVROUTER_SALT_SECRET) or a file's first line; unset: a
+    # random one at startup, shared by this router's --processes but not by its replicas (no cache reuse across);
+    # neither shown nor compared (two loads of one file are equal configs, though their random secrets differ)
+    salt_secret: str | None = field(default=None, repr=False, compare=False)
+    salt_secret_file: str | None = None
+    max_n: int = 128  # a request's n (choices per prompt) at most this: 400 past it
     max_model_len: int | None = None  # largest context a prompt may need; unset: the workers' own, learned
     session_header: str = "x-session-id"
     max_body_bytes: int = 32 * 1024 * 1024
@@ -383,12 +405,30 @@ def _finish(data: dict[str, Any], where: str) -> RouterConfig:
         raise ConfigError("max_attempts must be at least 1")
     if cfg.epp.grpc_server not in ("kvrouter", "grpcio"):
         raise ConfigError(f"epp.grpc_server: expected kvrouter or grpcio, got {cfg.epp.grpc_server!r}")
+    for key, grace in (("http.grace_s", cfg.http.grace_s), ("epp.grace_s", cfg.epp.grace_s)):
+        if not 0 <= grace < float("inf"):
+            raise ConfigError(f"{key} must be a finite number of seconds, 0 or more, got {grace!r}")
+    epp_ports = {"epp.port": cfg.epp.port, "epp.health_port": cfg.epp.health_port,
+                 "epp.metrics_port": cfg.epp.metrics_port, "epp.admin_port": cfg.epp.admin_port}
+    clash = [key for key, port in epp_ports.items() if port == cfg.epp.rank_port]
+    if cfg.epp.rank_port is not None and clash:
+        raise ConfigError(f"epp.rank_port {cfg.epp.rank_port} is also {clash[0]}: the Rank service gets a port of "
+                          "its own, on admin.host")
     if cfg.tenant_missing not in ("reject", "no_salt"):
         raise ConfigError(f"tenant_missing: expected reject or no_salt, got {cfg.tenant_missing!r}")
+    _resolve_salt_secret(cfg)
+    if not 1 <= cfg.max_n <= 65536:  # so a request's work (max_tokens x n x 256 prompts) stays within 2^63
+        raise ConfigError(f"max_n must be from 1 to 65536, got {cfg.max_n}")
     if cfg.events_bus is not None and cfg.events_bind is not None:
         raise ConfigError("events_bus and events_bind exclude each other: on the bus the relays read the engines")
     if cfg.events_bus is not None and not cfg.events_bus.startswith(("nats://", "tls://", "ws://", "wss://")):
         raise ConfigError(f"events_bus: expected a nats:// URL, got {cfg.events_bus!r}")
+    if cfg.events_bus_auth.configured and cfg.events_bus is None:
+        raise ConfigError("events_bus_auth is set but events_bus is not: the credentials would go unused")
+    try:
+        cfg.events_bus_auth.check()
+    except ValueError as e:
+        raise ConfigError(f"events_bus_auth: {e}") from None
     if cfg.max_model_len is not None and cfg.max_model_len < 1:
         raise ConfigError("max_model_len must be at least 1")
     if cfg.processes < 1:
@@ -402,6 +442,28 @@ def _finish(data: dict[str, Any], where: str) -> RouterConfig:
         raise ConfigError(f"replica_id: letters, digits, '-' and '_' only (one NATS subject token), got "
                           f"{cfg.replica_id!r}")
     return cfg
+
+
+def _resolve_salt_secret(cfg: RouterConfig) -> None:
+    """``salt_secret`` from itself, ``salt_secret_file``, or (neither) random: set once here, before
+    ``--processes`` children get the config, so that every process of one router derives the same salts."""
+    if cfg.salt_secret is not None and cfg.salt_secret_file is not None:
+        raise ConfigError("salt_secret and salt_secret_file exclude each other: give one")
+    if cfg.salt_secret_file is not None:
+        try:
+            lines = Path(cfg.salt_secret_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"salt_secret_file: cannot read {cfg.salt_secret_file}: {e}") from None
+        cfg.salt_secret = lines[0].strip() if lines else ""
+    if cfg.salt_secret is None:
+        cfg.salt_secret = secrets.token_hex(32)
+        if cfg.tenant_header:
+            log.warning("salt_secret is not set: the tenants' cache salts are keyed by a random secret made at "
+                        "startup; replicas need one shared salt_secret (or salt_secret_file, KVROUTER_SALT_SECRET) "
+                        "to reuse each other's cached prefixes, and a restart starts the tenants' caches afresh")
+    elif len(cfg.salt_secret) < 16:
+        raise ConfigError("salt_secret must be at least 16 characters (a guessable secret makes the tenants' "
+                          "salts guessable)")
 
 
 _TOP_LEVEL = frozenset(f.name for f in dataclasses.fields(RouterConfig))

@@ -23,7 +23,7 @@ from router.events.codec import EventBatch
 from router.heap import rare_collections
 from router.keys import chain_keys, request_keys
 from router.scheduling import Decision, Endpoint, RouteRequest, RoutingConfig, RoutingCore
-from router.scheduling.flow import FlowParams, FlowQueue, Queued, saturated
+from router.scheduling.flow import FlowParams, FlowQueue, Queued, Ruling, rule
 from router.scheduling.slo import NO_OBJECTIVE, ServiceObjective
 from sim.oracle import sim_routing
 from sim.workload import SimRequest
@@ -310,19 +310,19 @@ class Simulation:
             rec.outcome, rec.worker = decision.outcome, None
             return False
         flow = self.flow
-        if flow is not None and (flow.waiting_at_or_above(r.objective.priority) or self._saturated(r, decision)):
-            rec.worker = None
-            if flow.push(Queued(r.request_id, now, len(tokens) + r.output_len, r.objective, r.tenant, (r, tokens))):
-                return True
-            rec.outcome = "shed"  # the router's queue is full: a 429 at once
-            return False
+        if flow is not None:  # flow control (router/scheduling/flow.py), as the front ends' FlowGate.admit
+            ruling = rule(flow.params, r.objective, decision, 0.0)
+            if ruling.action == "shed":  # sheddable, its TTFT target out of reach even on an idle fleet
+                rec.outcome, rec.worker = "shed", None
+                return False
+            if flow.must_wait(ruling, r.objective.priority):
+                rec.worker = None
+                item = Queued(r.request_id, now, len(tokens) + r.output_len, r.objective, r.tenant, (r, tokens))
+                if flow.push(item, ruling.eligible):
+                    return True
+                rec.outcome = "shed"  # the router's queue is full: a 429 at once
+                return False
         return self._dispatch(r, tokens, rr, decision, rec, now)
-
-    def _saturated(self, r: SimRequest, decision: Decision) -> bool:
-        """Flow control's saturation detector (router/scheduling/flow.py) on the chosen worker's predictions."""
-        assert self.flow is not None and decision.chosen is not None
-        chosen = decision.report(decision.chosen)
-        return chosen is not None and saturated(self.flow.params, r.objective, chosen.queue_s, chosen.ttft_s)
 
     def _release_held(self, now: float) -> int:
         """Dispatch held requests while the fleet has room (highest priority first, tenants in turn), after
@@ -333,20 +333,24 @@ class Simulation:
         for item in flow.expire(now):
             self.records[item.request_id].outcome = "shed"
             ended += 1
-        while (item := flow.head()) is not None:
+        judged: dict[str, RouteRequest] = {}
+
+        def judge(held: Queued) -> Ruling:
+            r, tokens = held.payload
+            judged[r.request_id], decision = self.decide(r, now, tokens)
+            return rule(flow.params, r.objective, decision, now - held.arrived_at)
+
+        fleet = frozenset(w for w, ep in self.core.endpoints.items() if ep.healthy and not ep.draining)
+        while (out := flow.next_out(judge, fleet)) is not None:
+            item, ruling = out
             r, tokens = item.payload
-            rr, decision = self.decide(r, now, tokens)
             rec = self.records[r.request_id]
-            if decision.outcome != "routed":  # shed by the picker, or nobody serves it any more
-                flow.remove(r.request_id)
-                rec.outcome = decision.outcome
+            if ruling.action != "send":  # shed by the picker or by its target, or nobody serves it any more
+                rec.outcome = ruling.decision.outcome if ruling.action == "end" else "shed"
                 ended += 1
                 continue
-            if self._saturated(r, decision):
-                break
-            flow.pop(item)
-            rec.worker = decision.chosen
-            if not self._dispatch(r, tokens, rr, decision, rec, now):
+            rec.worker = ruling.decision.chosen
+            if not self._dispatch(r, tokens, judged[r.request_id], ruling.decision, rec, now):
                 ended += 1
         return ended
 

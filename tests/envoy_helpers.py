@@ -40,7 +40,8 @@ class Picker:
 
 async def start_picker(worker_specs: list, policy: str = "precise", probe_interval_s: float = 0.2,
                        port: int | None = None, block_size: int = 16, grpc_server: str = "kvrouter",
-                       health_port: int | None = None, **routing) -> Picker:  # type: ignore[no-untyped-def]
+                       health_port: int | None = None, rank_port: int | None = None,
+                       **routing) -> Picker:  # type: ignore[no-untyped-def]
     core = RoutingCore(RoutingConfig(policy=policy, block_size=block_size, seed=0, **routing))
     fleet = Fleet(core, probe_interval_s=probe_interval_s)
     for spec in worker_specs:
@@ -50,7 +51,7 @@ async def start_picker(worker_specs: list, policy: str = "precise", probe_interv
     port = port or free_port()
     started = asyncio.Event()
     task = asyncio.create_task(serve_epp(core, fleet, picker, port, health_port, "127.0.0.1", started=started,
-                                         grace_s=1, grpc_server=grpc_server))
+                                         grace_s=1, grpc_server=grpc_server, rank_port=rank_port))
     await asyncio.wait_for(started.wait(), 10)
     return Picker(core, fleet, picker, port, task)
 

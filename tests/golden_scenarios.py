@@ -11,8 +11,10 @@ engine metrics brought up to date by the router's own accounting (issue 15) chan
 ``least_loaded`` and ``approx_prefix``; and again when the engine's running count stopped counting as
 another router's the requests it runs that the router still counts as waiting (their first token on its way:
 ``precise``, ``least_loaded``, ``approx_prefix``); and again when a LoRA request's adapter load was priced
-where it is not loaded, and left out of what the worker's TTFT fit learns (issue 45: ``precise``, seed 3); the
-other three are the original recording.
+where it is not loaded, and left out of what the worker's TTFT fit learns (issue 45: ``precise``, seed 3); and
+again when requests beyond an engine's batch limit were priced as waiting for a place (issue 50: ``precise``,
+seed 2, whose random scrapes show a worker full at the same running count twice in a row); the other three are
+the original recording.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ def random_columns(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
         "kv": pick(np.nan, 0.0, 0.2, 0.97, 1.3), "gpu": rng.integers(0, 80, n), "cpu": rng.choice([0, 0, 5, 30], n),
         "storage": rng.choice([0, 0, 0, 12], n), "output_tokens": pick(0.0, 10.0, 3000.0),
         "ttft_slope": pick(1.0, 0.4, 2.7), "decode_slope": pick(1.0, 0.8, 3.1),
+        "batch_limit": pick(0.0, 0.0, 1.0, 4.0, 256.0),
     }
 
 
@@ -56,7 +57,8 @@ def reference_rows(c: SimpleNamespace, shared: np.ndarray, resident: np.ndarray,
                "ttft_s": est.queue_s + est.prefill_s, "stall_s": est.stall_s,
                "interference_s": est.stall_s + est.slowdown_s, "eviction_s": est.eviction_s, "step_s": est.step_s,
                "model_ttft_s": est.model_ttft_s, "model_step_s": est.model_step_s, "score": est.scores(w),
-               "need": need.astype(float), "over": over, "slowdown_s": est.slowdown_s}
+               "need": need.astype(float), "over": over, "slowdown_s": est.slowdown_s,
+               "batch_wait_s": est.batch_wait_s}
     return np.array([reports[name] for name in OBJECTIVE_ROWS])
 
 

@@ -3,13 +3,28 @@ the simulator holding requests the fleet cannot start yet."""
 
 from __future__ import annotations
 
-import pytest
+import subprocess
+import sys
+from collections import deque
 
-from router.scheduling.flow import FlowParams, FlowQueue, Queued, parse_flow_params
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.scheduling.flow import (
+    MAX_COST_TOKENS,
+    FlowParams,
+    FlowQueue,
+    Queued,
+    parse_flow_params,
+    rule,
+    saturated,
+)
 from router.scheduling.slo import NO_OBJECTIVE, ServiceObjective
+from router.scheduling.types import CandidateReport, Decision
 from sim.runner import SimConfig, Simulation, summarise
 from sim.suite import SYNTH_ENGINE
-from sim.workload import merged, shared_prefix, with_objective
+from sim.workload import SimRequest, merged, shared_prefix, tokens_for_block, with_objective
 
 LOW = ServiceObjective(None, None, -1)
 HIGH = ServiceObjective(0.3, None, 1)
@@ -106,6 +121,17 @@ def test_remove_take_all_and_the_bound():
     ({"saturation_queue_s": -1}, "saturation_queue_s"),
     ({"tenant_weights": {"a": 0}}, "weight"),
     ({"tenant_weights": [1, 2]}, "tenant_weights"),
+    # issue 50: a weight of 1e-9 made one pass of deficit round robin take ~84 s; weights are bounded now
+    ({"tenant_weights": {"a": 1e-9}}, "tenant_weights.a"),
+    ({"tenant_weights": {"a": 1e9}}, "tenant_weights.a"),
+    ({"tenant_weights": {"a": float("nan")}}, "tenant_weights.a"),
+    ({"tenant_weights": {"a": float("inf")}}, "tenant_weights.a"),
+    ({"tenant_weights": {"a": "heavy"}}, "tenant_weights.a"),
+    ({"tenant_weights": {"a": True}}, "tenant_weights.a"),
+    ({"quantum_tokens": 0}, "quantum_tokens"),
+    ({"quantum_tokens": 2**40}, "quantum_tokens"),
+    ({"queue_timeout_s": float("inf")}, "queue_timeout_s"),
+    ({"saturation_queue_s": float("nan")}, "saturation_queue_s"),
 ])
 def test_bad_flow_config_is_an_error_naming_the_key(raw, why):
     with pytest.raises(ValueError, match=why):
@@ -145,3 +171,141 @@ def test_a_queue_timeout_sheds_what_waits_too_long():
     s = summarise(Simulation(reqs, SimConfig(workers=1, policy="precise", engine=SYNTH_ENGINE,
                                              flow=FlowParams(enabled=True, queue_timeout_s=0.5))).run())
     assert s["shed"] > 0 and s["completed"] + s["shed"] == s["requests"]
+
+
+# ---- issue 50: the work of each call bounded, whatever a request's cost or a tenant's weight ------------------
+def test_a_cost_past_any_real_request_is_clamped_and_served_in_bounded_work():
+    # a request with n = 10^13 (prompt + max_tokens x n) in a queue with tenants weighing a thousandth: one
+    # quantum a loop, deficit round robin would loop 10^16 times (before: the event loop pinned for 30+ s)
+    q = FlowQueue(FlowParams(enabled=True, quantum_tokens=1, tenant_weights={"light": 1e-3, "heavy": 1e3}))
+    q.push(item("huge", cost=100 + 64 * 10**13, tenant="light"))
+    q.push(item("negative", cost=-(10**9), tenant="heavy"))
+    q.push(item("also-huge", cost=10**30, tenant="heavy"))
+    assert [q._by_id[r].cost_tokens for r in ("huge", "negative", "also-huge")] == [MAX_COST_TOKENS, 0,
+                                                                                  MAX_COST_TOKENS]
+    before = q.work
+    order = drain(q)
+    assert sorted(order) == ["also-huge", "huge", "negative"] and order[0] == "negative"
+    assert order.index("also-huge") < order.index("huge")  # the heavy tenant's turn comes a million times sooner
+    assert q.work - before <= 3 * 10  # a few passes over three flows per request, not 10^16 loops
+
+
+def naive_drr(costs: dict[str, list[int]], quantum: int, weights: dict[str, float]) -> list[str]:
+    """The reference: deficit round robin one quantum at a time (what ``head`` did before), on small numbers."""
+    flows = {t: deque(c) for t, c in costs.items() if c}
+    active, deficit, out = deque(flows), dict.fromkeys(flows, 0.0), []
+    while active:
+        t = active[0]
+        if deficit[t] >= flows[t][0]:
+            deficit[t] -= flows[t].popleft()
+            out.append(t)
+            if not flows[t]:
+                active.popleft()
+                del deficit[t]
+            continue
+        deficit[t] += quantum * weights.get(t, 1.0)
+        active.rotate(-1)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(costs=st.dictionaries(st.sampled_from("abcd"), st.lists(st.integers(0, 400), min_size=1, max_size=6),
+                             min_size=1),
+       quantum=st.integers(1, 50), weights=st.dictionaries(st.sampled_from("abcd"), st.sampled_from([0.5, 1.0, 2.0,
+                                                                                                       4.0])))
+def test_counting_the_rounds_at_once_serves_the_order_one_quantum_at_a_time_would(costs, quantum, weights):
+    q = FlowQueue(FlowParams(enabled=True, quantum_tokens=quantum, tenant_weights=weights))
+    for t, cs in costs.items():
+        for i, c in enumerate(cs):
+            q.push(item(f"{t}{i}", cost=c, tenant=t))
+    order = []
+    while True:
+        before, flows = q.work, len(q._bands[0].flows) if len(q) else 0
+        head = q.head()
+        assert q.work - before <= 4 * flows + 4  # a few passes over the flows, however many rounds it counted
+        if head is None:
+            break
+        q.pop(head)
+        order.append(head.tenant)
+    assert order == naive_drr(costs, quantum, weights)
+
+
+def test_each_head_is_bounded_by_a_few_passes_over_the_flows():
+    q = FlowQueue(FlowParams(enabled=True, quantum_tokens=1, tenant_weights={f"t{i}": 1e-3 for i in range(50)}))
+    for i in range(50):
+        q.push(item(f"r{i}", cost=MAX_COST_TOKENS - i, tenant=f"t{i}"))
+    while len(q):
+        before = q.work
+        head = q.head()
+        assert head is not None and q.work - before <= 4 * len(q) + 4
+        q.pop(head)
+
+
+# ---- issue 50: saturated means the fleet is busy, never that the request is hopeless --------------------------
+def decided(queue_s: float, service_s: float) -> Decision:
+    d = Decision("p", ranked=["w0"])
+    d.candidates = [CandidateReport("w0", queue_s=queue_s, prefill_s=service_s, ttft_s=queue_s + service_s)]
+    return d
+
+
+@pytest.mark.parametrize(("objective", "queue_s", "service_s", "waited_s", "action"), [
+    (ServiceObjective(1e-3, None, 10), 0.0, 0.1, 0.0, "send"),  # hopeless on an idle fleet: sent at once
+    (ServiceObjective(1e-3, None, 10), 0.5, 0.1, 0.0, "hold"),  # ... held while the fleet is busy, as without one
+    (ServiceObjective(0.3, None, 0), 0.0, 0.9, 0.0, "send"),  # a 20K-token prompt, 300 ms, idle fleet: sent
+    (ServiceObjective(1e-3, None, -1), 0.0, 0.1, 0.0, "shed"),  # sheddable and hopeless: shed at once
+    (ServiceObjective(0.3, None, -1), 0.0, 0.1, 0.25, "shed"),  # sheddable, its wait put it out of reach
+    (ServiceObjective(0.3, None, 0), 0.25, 0.1, 0.0, "hold"),  # reachable, missed now: waits for the queue
+    (ServiceObjective(0.3, None, 0), 0.1, 0.1, 0.25, "send"),  # the fleet has room for its target's sake
+    (NO_OBJECTIVE, 0.06, 0.1, 0.0, "hold"),
+    (NO_OBJECTIVE, 0.04, 0.1, 0.0, "send"),
+])
+def test_the_ruling_holds_only_for_a_busy_fleet(objective, queue_s, service_s, waited_s, action):
+    assert rule(FlowParams(enabled=True), objective, decided(queue_s, service_s), waited_s).action == action
+
+
+def test_the_simulator_sends_a_hopeless_request_at_once_and_nobody_waits_behind_it():
+    """An idle fleet, flow control on: a request with a 1 ms target (priority 1) and, after it, others of its
+    priority and lower. Before: the first was held until queue_timeout_s (then shed), and every one after it
+    waited behind it."""
+    reqs = [SimRequest("hopeless", 0.0, tokens_for_block(1, 512), 8, objective=ServiceObjective(1e-3, None, 1))]
+    reqs += [SimRequest(f"r{i}", 0.5 + i, tokens_for_block(10 + i, 512), 8, tenant=f"t{i % 2}",
+                        objective=ServiceObjective(None, None, i % 2)) for i in range(6)]
+    res = Simulation(reqs, SimConfig(workers=2, policy="precise", engine=SYNTH_ENGINE,
+                                     flow=FlowParams(enabled=True, queue_timeout_s=10.0))).run()
+    for rec in res.records:
+        assert rec.outcome == "routed" and rec.dispatched_at == rec.arrival, rec
+
+
+def test_the_router_refuses_a_config_whose_tenant_weight_would_stall_the_queue(tmp_path):
+    """What ``kvrouter serve`` and ``kvrouter epp`` read: a clear one-line error naming the key, exit status 2
+    (before: accepted, and a weight of 1e-9 made one pass of deficit round robin take ~84 s)."""
+    conf = tmp_path / "kvrouter.yaml"
+    conf.write_text("flow_control: {enabled: true, tenant_weights: {nightly: 1.0e-9}}\n")
+    out = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--config", str(conf)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "flow_control.tenant_weights.nightly: expected a weight from 0.001 to 1000" \
+        in out.stderr, out.stderr
+
+
+def test_a_stated_target_can_make_a_request_wait_earlier_never_later_than_its_configured_rule():
+    """A client sending a day-long target (or a hopeless one) on a ``standard`` request must not skip the queue
+    that the operator's rule for ``standard`` (hold once the engine queue passes ``saturation_queue_s``) keeps."""
+    from router.scheduling.slo import SloConfig, objective_for
+
+    params = FlowParams(enabled=True, saturation_queue_s=0.05)
+    config = SloConfig({"standard": ServiceObjective(None, None, 0, "standard"),
+                        "chat": ServiceObjective(2.0, None, 1, "chat")}, tenants={"alice": "chat"},
+                       default="standard")
+    day = objective_for({"x-llm-d-slo-ttft-ms": "86400000"}, config)
+    assert day.ttft_s == 86400.0 and day.configured is not None
+    busy_queue, ttft = 0.5, 0.6
+    assert saturated(params, config.objectives["standard"], busy_queue, ttft)
+    assert saturated(params, day, busy_queue, ttft)  # held, as any standard request on this fleet
+    assert not saturated(params, day, 0.01, 0.1)  # and sent when the fleet has room
+    # a configured target tightened by the client to something hopeless still waits while the configured one would
+    hopeless = objective_for({"x-llm-d-slo-ttft-ms": "0.001"}, config, tenant="alice")
+    assert hopeless.ttft_s == 1e-6
+    # 40 ms of queue (under saturation_queue_s) before 1.99 s of service: the configured 2 s target would be
+    # missed by waiting there, so it is held, though the hopeless stated one alone would send it
+    assert saturated(params, hopeless, 0.04, 2.03)
+    assert not saturated(params, hopeless, 0.02, 0.5)

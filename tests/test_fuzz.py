@@ -48,7 +48,7 @@ from router.events.recording import read_recording
 from router.frontends.epp import DEST_HEADER, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE, EndpointPicker
 from router.frontends.fleet import Fleet
 from router.frontends.metrics import RouterMetrics
-from router.frontends.openai import BadRequest, ParsedRequest, SaltRule, parse_body
+from router.frontends.openai import BadRequest, ParsedRequest, SaltRule, parse_body, salt_rule
 from router.index import KvIndex, Medium
 from router.keys import request_keys
 from router.scheduling import RouteRequest, RoutingConfig, RoutingCore
@@ -924,7 +924,8 @@ def test_a_well_formed_stream_is_routed_with_the_tenant_salt_and_completed(body,
         assert dest == [ADDRESSES[1]]  # only w1 serves the adapter
     assert during == 1  # dispatched, not completed until the response ends
     forwarded = b"".join(r.request_body.response.body_mutation.streamed_response.body for r in routed[1:])
-    assert json.loads(forwarded)["cache_salt"] == tenant  # the header's salt, whatever the body said
+    # the header's tenant's derived salt, whatever the body said
+    assert json.loads(forwarded)["cache_salt"] == salt_rule({"x-tenant": tenant}, "x-tenant").salt != tenant
     check_no_load_left(core)
 
 

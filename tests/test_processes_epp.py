@@ -78,13 +78,13 @@ async def test_the_pickers_admin_drains_a_worker_on_localhost_only_when_asked():
     try:
         with server_process(args, admin_port):
             async with aiohttp.ClientSession() as s:
-                async with s.post(admin + "/admin/drain", params={"worker": "w0"}) as r:
+                async with s.post(admin + "/admin/drain", params={"worker": "w0"}, json={}) as r:
                     assert r.status == 200 and await r.json() == {"worker": "w0", "draining": True}
                 async with s.get(admin + "/admin/workers") as r:
                     assert (await r.json())["workers"]["w0"]["draining"] is True
-                async with s.post(admin + "/admin/undrain", params={"worker": "w0"}) as r:
+                async with s.post(admin + "/admin/undrain", params={"worker": "w0"}, json={}) as r:
                     assert await r.json() == {"worker": "w0", "draining": False}
-                async with s.post(admin + "/admin/drain", params={"worker": "nope"}) as r:
+                async with s.post(admin + "/admin/drain", params={"worker": "nope"}, json={}) as r:
                     assert r.status == 404
         plain = [a for a in args if a not in ("--admin-port", str(admin_port))]
         with server_process(plain, picker_port), pytest.raises(aiohttp.ClientConnectionError):

@@ -7,6 +7,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from bench.load import free_port
 from router.discovery import WorkerSpec
 from router.gen import picker_pb2 as pb
 from router.gen import picker_pb2_grpc as pb_grpc
@@ -29,7 +30,9 @@ def test_generated_code_matches_the_proto(tmp_path):
 @pytest.mark.sockets
 async def test_rank_explains_the_ranking():
     ws = [await start_worker(topic=f"w{i}") for i in range(2)]
-    p = await start_picker([WorkerSpec(f"w{i}", w.url, w.publisher.endpoint) for i, w in enumerate(ws)])
+    rank_port = free_port()  # Rank is served on a port of its own only (never on ext_proc's: test_rank_exposure.py)
+    p = await start_picker([WorkerSpec(f"w{i}", w.url, w.publisher.endpoint) for i, w in enumerate(ws)],
+                           rank_port=rank_port)
     try:
         tok = load_tokenizer()
         text = "the document of the system and the answer to the question " * 30
@@ -41,7 +44,7 @@ async def test_rank_explains_the_ranking():
             assert r.status == 200
         await wait_until(lambda: sum(p.core.index.blocks_held("w1").values()) > 0)
         await p.fleet.probe("w1")  # fresh engine metrics: nothing is waiting any more
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{p.port}") as ch:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{rank_port}") as ch:
             stub = pb_grpc.PickerStub(ch)
             for req in (pb.RankRequest(text=text), pb.RankRequest(token_ids=pb.TokenIds(ids=ids))):
                 res = await stub.Rank(req)

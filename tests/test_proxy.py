@@ -168,7 +168,7 @@ async def test_stale_worker_gets_load_only_traffic_and_drain_stops_new_requests(
             assert rep[holder]["matched_gpu"] == 0
             # drain the other worker: new requests avoid it
             other = "w1" if holder == "w0" else "w0"
-            async with s.post(admin + f"/admin/drain?worker={other}") as r:
+            async with s.post(admin + f"/admin/drain?worker={other}", json={}) as r:
                 assert r.status == 200
             for i in range(4):
                 st, _, h = await post(s, url + "/v1/completions", {"prompt": f"d{i}", "max_tokens": 1})

@@ -22,9 +22,11 @@ async def test_two_picker_processes_agree_on_prefix_decisions():
         specs = [f"{w.url},id=w{i},events={w.publisher.endpoint},replay={w.publisher.replay_endpoint}"
                  for i, w in enumerate(ws)]
         ports = [free_port(), free_port()]
+        rank_ports = [free_port(), free_port()]  # Rank: on a port of its own, on localhost, only when asked for
         workers = [arg for s in specs for arg in ("--worker", s)]
         args = [["-m", "router.cli", "epp", "--port", str(p), "--health-port", str(free_port()),
-                 "--metrics-port", str(free_port()), *workers] for p in ports]
+                 "--metrics-port", str(free_port()), "--rank-port", str(r), *workers]
+                for p, r in zip(ports, rank_ports, strict=True)]
         with server_process(args[0], ports[0]), server_process(args[1], ports[1]):
             await asyncio.sleep(1.0)  # both subscribed
             prompts = [(d + " ") * 60 for d in DOCS]
@@ -34,7 +36,7 @@ async def test_two_picker_processes_agree_on_prefix_decisions():
                         assert r.status == 200
             await asyncio.sleep(1.0)  # events reach both replicas
             answers = []
-            for port in ports:
+            for port in rank_ports:
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                     stub = pb_grpc.PickerStub(ch)
                     got = []

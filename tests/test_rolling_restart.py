@@ -365,7 +365,7 @@ async def test_a_rolling_restart_through_the_proxy_fails_no_request(tmp_path):
                 if w is by_file:
                     await leave_by_file(path, ws, w, server.core)
                     return
-                async with session.post(admin + "/admin/drain", params={"worker": w.wid}) as r:
+                async with session.post(admin + "/admin/drain", params={"worker": w.wid}, json={}) as r:
                     assert r.status == 200 and (await r.json()) == {"worker": w.wid, "draining": True}
 
             async def idle(w: SimProcess) -> None:
@@ -386,7 +386,7 @@ async def test_a_rolling_restart_through_the_proxy_fails_no_request(tmp_path):
                     write_workers(path, ws)
                     await wait_until(lambda: w.wid in server.core.endpoints)
                     return
-                async with session.post(admin + "/admin/undrain", params={"worker": w.wid}) as r:
+                async with session.post(admin + "/admin/undrain", params={"worker": w.wid}, json={}) as r:
                     assert r.status == 200 and (await r.json()) == {"worker": w.wid, "draining": False}
 
             load, cycles = await run_rolling_restart(session, url, lambda h: h.get("x-kvrouter-worker"), ws,

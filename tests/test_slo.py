@@ -40,11 +40,14 @@ def test_llm_d_target_headers_are_read_in_milliseconds_case_insensitively():
     assert (o.ttft_s, o.tpot_s, o.priority) == (0.25, 0.0205, 0)
 
 
-def test_a_named_objective_gives_its_priority_and_targets_and_headers_override_only_targets():
+def test_a_named_objective_gives_its_priority_and_targets_and_headers_only_tighten_the_targets():
     o = objective_for({"x-gateway-inference-objective": "batch"}, CONFIG)
     assert o == ServiceObjective(None, None, -1, "batch") and o.sheddable
+    o = objective_for({"x-gateway-inference-objective": "chat", "x-slo-ttft-ms": "100"}, CONFIG)
+    assert (o.ttft_s, o.tpot_s, o.priority, o.name) == (0.1, 0.05, 1, "chat")
+    # a looser target than the objective's is not the client's to take: flow control would hold it later
     o = objective_for({"x-gateway-inference-objective": "chat", "x-slo-ttft-ms": "900"}, CONFIG)
-    assert (o.ttft_s, o.tpot_s, o.priority, o.name) == (0.9, 0.05, 1, "chat")
+    assert (o.ttft_s, o.tpot_s, o.priority, o.name) == (0.3, 0.05, 1, "chat")
 
 
 def test_defaults_come_from_the_tenant_before_the_model_and_the_header_before_both():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 
 import aiohttp
 import pytest
@@ -15,6 +16,7 @@ from router.scheduling.flow import FlowParams
 from router.scheduling.slo import parse_slo_config
 from tests.sim_helpers import workers
 from tests.test_epp_robustness import gateway_with, post, recording_workers
+from tests.test_flow_gate import free, occupy
 from tests.test_proxy import proxy, spec_of
 from tests.zmq_helpers import wait_until
 
@@ -49,11 +51,14 @@ async def test_a_request_held_by_flow_control_past_its_deadline_gets_429_with_re
     flow = FlowParams(enabled=True, queue_timeout_s=0.5)
     async with recording_workers(1) as ws, gateway_with(ws, tmp_path, {"slo": SLO, "flow": flow}) as (url, picker), \
             aiohttp.ClientSession() as s:
-        # a target no worker can meet, not sheddable: held while it would miss it, then refused
+        core = picker.picker.core
+        load = occupy(core, next(iter(core.endpoints)), time.monotonic())  # the fleet busy (issue 50: not a target)
+        # a target no worker can meet, not sheddable: held while the fleet is busy, as without a target, then refused
         async with s.post(f"{url}/v1/completions", json=BODY, headers={"x-slo-ttft-ms": "0.001"}) as r:
             assert r.status == 429 and int(r.headers["retry-after"]) >= 1
             assert "waited" in await r.text()
         assert picker.picker.gate.waiting == 0
+        free(load, time.monotonic())
         status, _ = await post(s, f"{url}/v1/completions", BODY)  # no target: served at once
         assert status == 200
 
@@ -61,7 +66,8 @@ async def test_a_request_held_by_flow_control_past_its_deadline_gets_429_with_re
 async def test_a_client_that_leaves_while_held_frees_its_place_through_envoy(tmp_path):
     flow = FlowParams(enabled=True, queue_timeout_s=3600.0)
     async with recording_workers(1) as ws, gateway_with(ws, tmp_path, {"slo": SLO, "flow": flow}) as (url, picker):
-        gate = picker.picker.gate
+        gate, core = picker.picker.gate, picker.picker.core
+        load = occupy(core, next(iter(core.endpoints)), time.monotonic())  # the fleet busy: a request waits
         for _ in range(3):
             async with aiohttp.ClientSession() as s:
                 call = asyncio.create_task(s.post(f"{url}/v1/completions", json=BODY,
@@ -71,6 +77,7 @@ async def test_a_client_that_leaves_while_held_frees_its_place_through_envoy(tmp
                 with contextlib.suppress(asyncio.CancelledError):
                     await call
             await wait_until(lambda: gate.waiting == 0 and len(gate.queue) == 0, 10)  # Envoy reset the stream
+        free(load, time.monotonic())
         async with aiohttp.ClientSession() as s:  # and the gateway serves on
             status, _ = await post(s, f"{url}/v1/completions", BODY)
             assert status == 200
@@ -109,10 +116,12 @@ async def test_a_request_held_by_the_proxy_past_its_deadline_gets_429_with_retry
     async with workers(1) as ws, proxy([spec_of(ws[0], "w0")], slo=SLO_RAW, flow_control=flow) as (server, url, _), \
             aiohttp.ClientSession() as s:
         await wait_until(lambda: server.core.endpoints["w0"].healthy, 10)
+        load = occupy(server.core, "w0", time.monotonic())  # the fleet busy (issue 50: not the target) holds it
         async with s.post(f"{url}/v1/completions", json=BODY, headers={"x-slo-ttft-ms": "0.001"}) as r:
             assert r.status == 429 and int(r.headers["retry-after"]) >= 1
             assert "waited" in (await r.json())["message"]
-        async with s.post(f"{url}/v1/completions", json=BODY) as r:  # without a target: served at once
+        free(load, time.monotonic())
+        async with s.post(f"{url}/v1/completions", json=BODY) as r:  # the fleet idle again: served at once
             assert r.status == 200
         assert server.gate.waiting == 0
 
@@ -126,6 +135,7 @@ async def test_ten_thousand_clients_that_leave_the_proxy_while_held_leave_nothin
         await wait_until(lambda: server.core.endpoints["w0"].healthy, 10)
         host, port = url.removeprefix("http://").split(":")
         gate = server.gate
+        load = occupy(server.core, "w0", time.monotonic())  # the fleet busy: every request waits
         for _ in range(20):
             conns = [await asyncio.open_connection(host, int(port)) for _ in range(500)]
             for _, writer in conns:
@@ -134,6 +144,7 @@ async def test_ten_thousand_clients_that_leave_the_proxy_while_held_leave_nothin
             for _, writer in conns:
                 writer.close()
             await wait_until(lambda: gate.waiting == 0 and len(gate.queue) == 0, 30)
+        free(load, time.monotonic())
         load = server.core.load.workers.get("w0")
         assert load is None or load.requests == 0  # none was dispatched, none is counted in flight
         async with aiohttp.ClientSession() as s, s.post(f"{url}/v1/completions", json=BODY) as r:

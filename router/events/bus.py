@@ -123,13 +123,33 @@ def decode_snapshot(data: bytes) -> IndexSnapshot:
 
 
 # ---- the pure consumer -----------------------------------------------------------------------
+# Why a record read from the bus was dropped, unapplied (``kvrouter_bus_records_dropped_total{reason}``): a fixed
+# set, so the label's values are bounded whatever arrives.
+MALFORMED = "malformed"  # not a BusRecord (undecodable), or one no relay writes (unknown kind, n < 0, ...)
+WORKER_MISMATCH = "worker_mismatch"  # names a worker the router follows, but another one than its subject's
+UNKNOWN_WORKER = "unknown_worker"  # names a worker the router does not follow (not discovered)
+DROP_REASONS = (MALFORMED, WORKER_MISMATCH, UNKNOWN_WORKER)
+_KINDS = frozenset({BATCH, RESET, UNSYNCED})
+
+
+def record_problem(record: BusRecord) -> str | None:
+    """Why a decoded record is not one a relay publishes, or None."""
+    if record.kind not in _KINDS:
+        return f"unknown kind {record.kind[:40]!r}"
+    if record.n < 0:
+        return f"n = {record.n}"
+    if record.kind == BATCH and record.batch is None:
+        return "a batch record without its batch"
+    return None
+
+
 @dataclass(slots=True)
 class FollowState:
     """Where one worker's consumer stands: the last record applied and what it cost to get there."""
 
     epoch: str | None = None
     n: int = -1
-    stream_seq: int = 0  # the last JetStream sequence applied (or the snapshot's)
+    stream_seq: int = 0  # the last JetStream sequence read (applied, the snapshot's, or dropped)
     batches: int = 0
     missed: int = 0  # times records were missing (retention, a relay's drops): the worker went unsynced
     duplicates: int = 0
@@ -138,10 +158,21 @@ class FollowState:
 
 @dataclass
 class BusFollower:
-    """Applies a relay's records to a feeder in order, checking that none is missing. Pure: ``now`` given."""
+    """Applies a relay's records to a feeder in order, checking that none is missing. Pure: ``now`` given.
+
+    A record is applied to the worker whose subject it was read from, never to the one its payload names: the
+    subject is what the bus's permissions guard (docs/event-bus.md) and what this router chose to follow. A
+    record whose payload names another worker, or one this router does not follow (``follow``), is dropped and
+    counted by reason (``dropped``), creating no state: the state held is one ``FollowState`` per followed
+    worker, however many names arrive."""
 
     feeder: IndexFeeder
     states: dict[str, FollowState] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+
+    def follow(self, worker_id: str) -> FollowState:
+        """Start following a worker (the fleet discovered it); its state, kept if it already had one."""
+        return self.state(worker_id)
 
     def state(self, worker_id: str) -> FollowState:
         st = self.states.get(worker_id)
@@ -151,33 +182,57 @@ class BusFollower:
 
     def restore(self, snapshot: IndexSnapshot, now: float) -> None:
         """Start from a snapshot: the worker's index as the relay had it after record ``snapshot.n``."""
+        if snapshot.worker_id not in self.states:
+            self.drop(UNKNOWN_WORKER)
+            return
         self.feeder.restore(snapshot.worker_id, snapshot.entries(), snapshot.last_seq, snapshot.synced, now)
         st = self.state(snapshot.worker_id)
         st.epoch, st.n, st.stream_seq, st.snapshot_loaded = snapshot.epoch, snapshot.n, snapshot.stream_seq, True
 
-    def apply_steps(self, record: BusRecord, stream_seq: int, now: float) -> Steps[None]:
-        wid = record.worker_id
-        st = self.state(wid)
+    def drop(self, reason: str, worker_id: str | None = None, stream_seq: int = 0) -> None:
+        """Count a record not applied; read past it on ``worker_id``'s subject (a resubscription starts after)."""
+        self.dropped[reason] += 1
+        st = self.states.get(worker_id) if worker_id is not None else None
+        if st is not None:
+            st.stream_seq = max(st.stream_seq, stream_seq)
+
+    def check(self, worker_id: str, record: BusRecord) -> str | None:
+        """The drop reason for ``record`` read on ``worker_id``'s subject, or None: apply it."""
+        if record_problem(record) is not None:
+            return MALFORMED
+        if worker_id not in self.states or record.worker_id not in self.states:
+            return UNKNOWN_WORKER
+        if record.worker_id != worker_id:
+            return WORKER_MISMATCH
+        return None
+
+    def apply_steps(self, worker_id: str, record: BusRecord, stream_seq: int, now: float) -> Steps[None]:
+        """Apply ``record``, read on ``worker_id``'s subject at ``stream_seq`` (or drop it: ``check``)."""
+        reason = self.check(worker_id, record)
+        if reason is not None:
+            if reason == MALFORMED:
+                log.debug("worker %s: malformed bus record at %d: %s", worker_id, stream_seq, record_problem(record))
+            self.drop(reason, worker_id, stream_seq)
+            return
+        st = self.states[worker_id]
         if record.epoch == st.epoch and record.n <= st.n:
             st.duplicates += 1  # delivered again (a consumer recreated after an outage): applied already
+            st.stream_seq = max(st.stream_seq, stream_seq)
             return
         continuous = (record.epoch == st.epoch and record.n == st.n + 1) or (record.kind == RESET and record.n == 0)
         st.epoch, st.n, st.stream_seq = record.epoch, record.n, stream_seq
         if not continuous:
             st.missed += 1
             log.warning("worker %s: bus records missing before %s.%d: index cleared (unsynced)",
-                        wid, record.epoch, record.n)
-            self.feeder.desync(wid, now)
+                        worker_id, record.epoch[:40], record.n)
+            self.feeder.desync(worker_id, now)
         if record.kind == BATCH and record.batch is not None:
             st.batches += 1
-            yield from self.feeder.apply_relayed_steps(wid, record.seq, record.batch, record.synced, now)
+            yield from self.feeder.apply_relayed_steps(worker_id, record.seq, record.batch, record.synced, now)
         elif record.kind == RESET:
-            self.feeder.reset_relayed(wid)
+            self.feeder.reset_relayed(worker_id)
         elif record.kind == UNSYNCED:
-            self.feeder.desync_relayed(wid, now)
+            self.feeder.desync_relayed(worker_id, now)
 
     def forget(self, worker_id: str) -> None:
         self.states.pop(worker_id, None)
-
-
-# ---- NATS adapters -----------------------------------------------------------------------------

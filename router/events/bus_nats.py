@@ -1,7 +1,8 @@
 """The event bus's NATS adapter: connecting, reading snapshots, and ``BusSubscriber``, a router's events from
 JetStream with the ZeroMQ subscriber's shape (add_source / remove_source / ready / start / stop), so the fleet,
 /ready and the diagnosis work unchanged. The records, the snapshot format and ``BusFollower`` (the pure
-apply) are router/events/bus.py; docs/event-bus.md has the design and the failure modes.
+apply) are router/events/bus.py; docs/event-bus.md has the design, the failure modes and the bus's
+authentication (``NatsAuth``: user/password, token, nkey, creds file, TLS) and permissions.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import msgspec
 
 from router.aio import cancel_and_wait
 from router.events.bus import (
+    DROP_REASONS,
+    MALFORMED,
     SNAPSHOT_BUCKET,
     SNAPSHOT_VERSION,
     STREAM,
@@ -30,7 +33,7 @@ from router.events.bus import (
 )
 from router.events.feed import IndexFeeder
 from router.events.subscriber import EventSource, drive
-from router.nats_connection import connect_nats
+from router.nats_connection import NatsAuth, connect_nats
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +64,13 @@ class BusSubscriber:
     def __init__(self, feeder: IndexFeeder, url: str, *, clock: Callable[[], float] = time.monotonic,
                  heartbeat_s: float = 1.0, retry_s: float = 0.5, use_snapshots: bool = True,
                  subject_prefix: str = SUBJECT_PREFIX, setup_concurrency: int = 32,
-                 request_timeout_s: float = 10.0) -> None:
+                 request_timeout_s: float = 10.0, auth: NatsAuth | None = None) -> None:
         """``setup_concurrency``: workers whose snapshot and consumer are being set up at once (a thousand
-        workers at start would otherwise be a thousand JetStream API requests at once, timing out)."""
+        workers at start would otherwise be a thousand JetStream API requests at once, timing out).
+        ``auth``: the credentials and TLS this router presents to the bus."""
         self.feeder = feeder
         self.url = url
+        self.auth = auth
         self.clock = clock
         self.heartbeat_s = heartbeat_s
         self.retry_s = retry_s
@@ -76,7 +81,7 @@ class BusSubscriber:
         self.ready: set[str] = set()  # workers caught up with their stream as it was when we subscribed
         self.snapshot_loads = 0
         self.messages = 0
-        self.malformed = 0
+        self.refused: str | None = None  # the server's last refusal (credentials, permissions, TLS), for stats
         self.lag_msgs: dict[str, int] = {}  # records still pending behind the last one applied
         self.lag_s: dict[str, float] = {}  # age of the last record applied when it was applied
         self.request_timeout_s = request_timeout_s
@@ -94,14 +99,30 @@ class BusSubscriber:
         self._connect_task = asyncio.create_task(self._connect())
 
     async def _connect(self) -> None:
-        self._nc = await connect_nats(self.url, "kvrouter-router", retry_s=self.retry_s,
-                                      while_down="routing on the index held; retrying")
+        self._nc = await connect_nats(self.url, "kvrouter-router", retry_s=self.retry_s, auth=self.auth,
+                                      on_error=self._on_error, reconnected_cb=self._on_reconnected,
+                                      while_down="routing on the index held (load-only for workers it lacks); "
+                                      "retrying")
+        self.refused = None
         self._js = self._nc.jetstream(timeout=self.request_timeout_s)
         self._connected.set()
 
+    def _on_error(self, e: BaseException, refusal: str | None) -> None:
+        if refusal is not None:
+            self.refused = refusal
+
+    async def _on_reconnected(self) -> None:
+        self.refused = None  # admitted again: a refusal seen while reconnecting is over
+
+    @property
+    def connected(self) -> bool:
+        return self._nc is not None and bool(self._nc.is_connected)
+
     def add_source(self, source: EventSource) -> None:
-        """Follow one worker (its ZeroMQ endpoints are the relay's business; only the id counts here)."""
+        """Follow one worker (its ZeroMQ endpoints are the relay's business; only the id counts here): only
+        followed workers' records are applied, and only from their own subjects."""
         self.remove_source(source.worker_id)
+        self.follower.follow(source.worker_id)
         self._tasks[source.worker_id] = asyncio.create_task(self._follow(source.worker_id))
 
     def remove_source(self, worker_id: str) -> None:
@@ -182,14 +203,14 @@ class BusSubscriber:
     async def _consume(self, worker_id: str, sub: Any, head: int) -> None:
         async for msg in sub.messages:
             self.messages += 1
+            meta = msg.metadata
+            seq = meta.sequence.stream
             try:
                 record = decode_record(msg.data)
             except (msgspec.DecodeError, msgspec.ValidationError):
-                self.malformed += 1
-                continue
-            meta = msg.metadata
-            seq = meta.sequence.stream
-            await drive(self.follower.apply_steps(record, seq, self.clock()))
+                self.follower.drop(MALFORMED, worker_id, seq)
+            else:  # applied to the worker whose subject it came on, if its payload agrees (else dropped)
+                await drive(self.follower.apply_steps(worker_id, record, seq, self.clock()))
             self.lag_msgs[worker_id] = meta.num_pending
             self.lag_s[worker_id] = max(0.0, time.time() - meta.timestamp.timestamp())
             if seq >= head:
@@ -209,7 +230,9 @@ class BusSubscriber:
         states = self.follower.states.values()
         return {
             "batches": sum(s.batches for s in states), "snapshot_loads": self.snapshot_loads,
-            "missed": sum(s.missed for s in states), "messages": self.messages, "malformed": self.malformed,
+            "missed": sum(s.missed for s in states), "messages": self.messages,
+            "malformed": self.follower.dropped[MALFORMED], "dropped": dict(self.follower.dropped),
+            "connected": self.connected, "refused": self.refused,
             "lag_msgs_max": max(self.lag_msgs.values(), default=0),
             "lag_s_max": max(self.lag_s.values(), default=0.0), "ready": len(self.ready),
             "setup_retries": self.setup_retries,
@@ -225,6 +248,16 @@ class BusSubscriber:
                                   value=s["snapshot_loads"])
         yield CounterMetricFamily("kvrouter_bus_missed", "Times a worker's bus records were missing (unsynced).",
                                   value=s["missed"])
+        dropped = CounterMetricFamily("kvrouter_bus_records_dropped", "Records read from the event bus and not "
+                                      "applied, by reason: malformed, worker_mismatch (the payload names another "
+                                      "worker than its subject), unknown_worker (one this router does not follow).",
+                                      labels=["reason"])
+        for reason in DROP_REASONS:
+            dropped.add_metric([reason], s["dropped"][reason])
+        yield dropped
+        yield GaugeMetricFamily("kvrouter_bus_connected", "1 while connected to the event bus, 0 while it is "
+                                "down or refuses this router (load-only routing for the workers it lacks).",
+                                value=1.0 if s["connected"] else 0.0)
         yield GaugeMetricFamily("kvrouter_bus_lag_records", "Most records any worker's consumer is behind.",
                                 value=s["lag_msgs_max"])
         yield GaugeMetricFamily("kvrouter_bus_lag_seconds", "Largest age of a record when it was applied.",

@@ -9,6 +9,8 @@ While the bus is down records wait in a bounded outbox per worker; when one over
 dropped (counted), the relay's own entries for that worker are cleared and an ``unsynced`` record follows,
 so consumers learn they are unsynced and are never silently wrong. Every ``snapshot_interval_s`` (and on
 request, ``kvrouter.relay.snapshot``) it writes each changed worker's index snapshot to the object store.
+It presents ``auth`` (router/nats_connection.py's ``NatsAuth``) to the bus; a server that refuses it is logged
+as an error and the relay holds its records as while the bus is down.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from router.events.codec import EventBatch
 from router.events.feed import IndexFeeder
 from router.events.subscriber import EventSource, KvEventSubscriber
 from router.index import KvIndex
-from router.nats_connection import connect_nats
+from router.nats_connection import NatsAuth, connect_nats
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +130,11 @@ class Relay:
         subject_prefix: str = SUBJECT_PREFIX,
         clock: Callable[[], float] = time.monotonic,
         ctx: zmq.asyncio.Context | None = None,
+        auth: NatsAuth | None = None,
     ) -> None:
         self.url = url
+        self.auth = auth
+        self.refused: str | None = None  # the server's last refusal (credentials, permissions, TLS)
         self.sources = list(sources)
         self.block_size = block_size
         self.retention = retention or Retention()
@@ -202,8 +207,10 @@ class Relay:
         self._tasks.append(asyncio.create_task(self._snapshot_loop()))
 
     async def _connect(self) -> None:
-        self._nc = await connect_nats(self.url, f"kvrouter-relay-{self.epoch}",
+        self._nc = await connect_nats(self.url, f"kvrouter-relay-{self.epoch}", auth=self.auth,
+                                      on_error=self._on_error, reconnected_cb=self._on_reconnected,
                                       while_down="holding records in the outbox; retrying")
+        self.refused = None
         self._js = self._nc.jetstream()
         while True:
             try:
@@ -215,6 +222,13 @@ class Relay:
                 await asyncio.sleep(0.5)
         await self._nc.subscribe(SNAPSHOT_REQUEST_SUBJECT, cb=self._on_snapshot_request)
         self._bus_ready.set()
+
+    def _on_error(self, e: BaseException, refusal: str | None) -> None:
+        if refusal is not None:
+            self.refused = refusal
+
+    async def _on_reconnected(self) -> None:
+        self.refused = None  # admitted again: a refusal seen while reconnecting is over
 
     async def stop(self, flush_timeout_s: float = 5.0) -> None:
         """Stop reading the engines, publish what waits (up to ``flush_timeout_s``), close."""
@@ -324,6 +338,7 @@ class Relay:
             "pending": sum(len(b.pending) + (b.inflight is not None) for b in boxes),
             "dropped": sum(b.dropped for b in boxes), "retries": sum(b.retries for b in boxes),
             "snapshots_written": self.snapshots_written, "bus_ready": self._bus_ready.is_set(),
+            "connected": self._nc is not None and bool(self._nc.is_connected), "refused": self.refused,
         }
 
 

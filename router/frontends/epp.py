@@ -38,9 +38,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from multidict import MultiDict
 
 from router.config import RouterConfig
-from router.frontends.admin import FleetAdmin
+from router.frontends.admin import FleetAdmin, admin_guard
 from router.frontends.api_paths import GENERATE_PATHS, TOKENIZER_PATHS, api_path, is_api_path
 from router.frontends.fleet import Fleet, fleet_from_config
 from router.frontends.flow_gate import FlowGate
@@ -48,6 +49,7 @@ from router.frontends.h2grpc import ConnectionLimits, GrpcServer
 from router.frontends.http1 import error_body
 from router.frontends.metrics import RouterMetrics
 from router.frontends.openai import (
+    DEFAULT_MAX_N,
     BadRequest,
     RequestParser,
     model_not_found,
@@ -81,7 +83,7 @@ SHARED_PORT_MAX_STREAMS = 4  # --processes N: streams per gateway connection to 
 class _Stream:
     """One HTTP request's state across its ext_proc stream."""
 
-    headers: dict[str, str] = field(default_factory=dict)
+    headers: MultiDict[str] = field(default_factory=MultiDict)
     body: bytearray = field(default_factory=bytearray)
     full_duplex: bool = True
     response_bodies: bool = True  # Envoy sends the response body (False: the lighter, headers-only stream)
@@ -159,14 +161,16 @@ def _immediate_json(status: int, body: bytes, details: str, retry_after: int | N
         body=body, details=details))
 
 
-def _headers_of(msg: pb.HttpHeaders, names: frozenset[str]) -> dict[str, str]:
+def _headers_of(msg: pb.HttpHeaders, names: frozenset[str]) -> MultiDict[str]:
     """The headers of ``names`` (lower-case) the message carries: only those values are decoded (the picker
-    reads three of a request's dozen headers, one of a response's)."""
-    out = {}
+    reads three of a request's dozen headers, one of a response's). Every value of a repeated header is kept, in
+    order (``get``: the first, as the proxy reads): the headers the router decides by must come once
+    (router/frontends/openai.py ``trusted_header``), and Envoy passes a repeated one as separate entries."""
+    out: MultiDict[str] = MultiDict()
     for h in msg.headers.headers:
         key = h.key.lower()
         if key in names:
-            out[key] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+            out.add(key, h.raw_value.decode("latin-1") if h.raw_value else h.value)
     return out
 
 
@@ -178,7 +182,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                  block_size: int, metrics: RouterMetrics, tenant_header: str | None = None,
                  fallbacks: int = 2, *, tenant_missing: str = "reject", session_header: str = "x-session-id",
                  max_body_bytes: int = 32 * 1024 * 1024, slo: SloConfig | None = None,
-                 flow: FlowParams | None = None) -> None:
+                 flow: FlowParams | None = None, salt_secret: str | None = None,
+                 max_n: int = DEFAULT_MAX_N) -> None:
         self.core = core
         self.fleet = fleet
         self.tokenizer_for = tokenizer_for
@@ -186,11 +191,14 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
         self.metrics = metrics
         self.tenant_header = tenant_header.lower() if tenant_header else None
         self.tenant_missing = tenant_missing
+        self.salt_secret = salt_secret  # the tenants' salts' key (config salt_secret; None: this process's own)
+        self.max_n = max_n
         self.session_header = session_header.lower()
         self.headers_read = frozenset({":path", self.session_header, *OBJECTIVE_HEADER_NAMES,
                                        *((self.tenant_header,) if tenant_header else ())})
         self.slo = slo or SloConfig()
         self.gate = FlowGate(core, flow or FlowParams())  # flow control (docs/slo.md); off unless enabled
+        metrics.watch_flow(self.gate, {0, *(o.priority for o in self.slo.objectives.values())})
         self.max_body_bytes = max_body_bytes
         self.fallbacks = fallbacks
         self.parser = RequestParser(tokenizer_for)
@@ -314,14 +322,14 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
                 return [_immediate(e.status, str(e))]
             self.metrics.count_request("200")
             return [_immediate_json(200, json.dumps(answer).encode(), api_path(path)[1:])]
-        tenant: str | None = None  # the trusted tenant header's value (the flow a waiting request joins, if set)
+        tenant: str | None = None  # the trusted tenant header's one value (the flow a waiting request joins, if set)
         if api_path(path) not in GENERATE_PATHS:
             rreq = RouteRequest(new_request_id(), [], 0, self.block_size, 1, subset=st.subset)
         else:
             try:
-                salt = salt_rule(st.headers, self.tenant_header, self.tenant_missing)
-                parsed = await self.parser.parse(body, path, salt, self.fleet.max_model_len())
-                tenant = st.headers.get(self.tenant_header) if self.tenant_header else None
+                salt = salt_rule(st.headers, self.tenant_header, self.tenant_missing, self.salt_secret)
+                parsed = await self.parser.parse(body, path, salt, self.fleet.max_model_len(), self.max_n)
+                tenant = salt.tenant
                 objective = request_objective(st.headers, self.slo, parsed.model, tenant)
             except BadRequest as e:
                 st.refused = True
@@ -459,9 +467,10 @@ async def update_readiness(servicer: health.aio.HealthServicer, core: RoutingCor
 async def run_epp(config: RouterConfig, started: asyncio.Event | None = None,
                   slot: ProcessSlot | None = None) -> None:
     """``kvrouter epp``: the picker, gRPC health, Prometheus metrics on their own port, and with ``epp.admin_port``
-    the fleet's admin (``FleetAdmin``: workers, drain, undrain) on ``admin.host`` (localhost by default).
-    ``slot``: one of ``--processes N`` (router/frontends/processes.py): every port shared (SO_REUSEPORT), the
-    in-flight load too."""
+    the fleet's admin (``FleetAdmin``: workers, drain, undrain) on ``admin.host`` (localhost by default), with
+    ``epp.rank_port`` the Rank service there too. Serves until cancelled, then drains (``serve_epp``). ``slot``:
+    one of ``--processes N`` (router/frontends/processes.py): every port shared (SO_REUSEPORT), the in-flight load
+    too."""
     from aiohttp import web
 
     from router.tokenizer import load_tokenizer
@@ -480,7 +489,8 @@ async def run_epp(config: RouterConfig, started: asyncio.Event | None = None,
     picker = EndpointPicker(core, fleet, tokenizer_for, config.routing.block_size, metrics, config.tenant_header,
                             config.epp.fallbacks, tenant_missing=config.tenant_missing,
                             session_header=config.session_header, max_body_bytes=config.max_body_bytes,
-                            slo=config.slo, flow=config.flow_control)
+                            slo=config.slo, flow=config.flow_control, salt_secret=config.salt_secret,
+                            max_n=config.max_n)
 
     async def prometheus(_: web.Request) -> web.Response:
         return web.Response(body=metrics.exposition(), content_type="text/plain", charset="utf-8")
@@ -492,7 +502,7 @@ async def run_epp(config: RouterConfig, started: asyncio.Event | None = None,
     await web.TCPSite(runner, config.epp.metrics_host, config.epp.metrics_port, reuse_port=slot is not None).start()
     runners = [runner]
     if config.epp.admin_port is not None and (slot is None or slot.serves_admin):  # drain, workers: localhost
-        admin = web.Application()
+        admin = web.Application(middlewares=[admin_guard(config.admin.host)])  # what no web page can send
         admin.add_routes(FleetAdmin(core, fleet).routes())
         admin_runner = web.AppRunner(admin, access_log=None)
         await admin_runner.setup()
@@ -501,7 +511,8 @@ async def run_epp(config: RouterConfig, started: asyncio.Event | None = None,
     try:
         await serve_epp(core, fleet, picker, config.epp.port, config.epp.health_port, config.epp.host,
                         started=started, grace_s=config.epp.grace_s, reuse_port=slot is not None,
-                        grpc_server=config.epp.grpc_server,
+                        grpc_server=config.epp.grpc_server, rank_port=config.epp.rank_port,
+                        rank_host=config.admin.host,
                         limits=ConnectionLimits(config.epp.handshake_timeout_s, config.epp.idle_timeout_s,
                                                 config.epp.max_connections))
     finally:
@@ -515,8 +526,15 @@ async def run_epp(config: RouterConfig, started: asyncio.Event | None = None,
 async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, port: int, health_port: int | None,
                     host: str = "0.0.0.0", max_message_bytes: int = 64 * 1024 * 1024,
                     started: asyncio.Event | None = None, grace_s: float = 10.0, reuse_port: bool = False,
-                    grpc_server: str = "kvrouter", limits: ConnectionLimits | None = None) -> None:
-    """Serve ext_proc (and gRPC health, on ``health_port`` or the same port) until cancelled, then drain.
+                    grpc_server: str = "kvrouter", limits: ConnectionLimits | None = None,
+                    rank_port: int | None = None, rank_host: str = "127.0.0.1") -> None:
+    """Serve ext_proc (and gRPC health, on ``health_port`` or the same port) until cancelled, then drain: gRPC
+    health NOT_SERVING, the requests flow control holds answered 429 with Retry-After (``FlowGate.close``), the
+    listener closed and GOAWAY sent (the gateway opens its next streams on another replica), the open streams
+    (each request's, until its response has passed) given up to ``grace_s``, then everything closed; cancelled
+    again meanwhile (a second signal), closed at once. ``rank_port``: kvrouter.v1.Picker/Rank on its own
+    listener at ``rank_host`` (the admin host), never on the ext_proc port, which the data plane reaches: Rank
+    reports the blocks cached for any ``cache_salt`` it is given (None: not served).
     ``grpc_server``: "kvrouter" (router/frontends/h2grpc.py) or "grpcio" (grpc.aio) on the ext_proc port; a
     separate health port is grpc.aio's (``grpc.health.v1``'s ``Check`` and ``Watch`` on either). ``reuse_port``: one
     of several processes on these ports (the kernel spreads connections over them: a gateway multiplexing every
@@ -532,8 +550,12 @@ async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, por
     hs = await health_servicer(fleet)
     server = _grpc_server(grpc_server, max_message_bytes, reuse_port, limits)
     pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
-    picker_pb2_grpc.add_PickerServicer_to_server(
-        RankService(core, picker.tokenizer_for, picker.block_size, fleet.max_model_len), server)
+    rank_server = None
+    if rank_port is not None:
+        rank_server = _grpc_server(grpc_server, max_message_bytes, reuse_port, limits)
+        picker_pb2_grpc.add_PickerServicer_to_server(
+            RankService(core, picker.tokenizer_for, picker.block_size, fleet.max_model_len), rank_server)
+        await _start(rank_server, rank_host, rank_port, reuse_port)
     health_server = None
     if health_port is None or health_port == port:
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -549,10 +571,17 @@ async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, por
             await update_readiness(hs, core, fleet.clock())
             await asyncio.sleep(0.2)
     finally:
-        await hs.enter_graceful_shutdown()
-        await server.stop(grace_s)  # finishes open streams, refuses new ones
-        if health_server is not None:
-            await health_server.stop(0)  # (a Watch there would otherwise hold the stop for the grace)
+        await hs.enter_graceful_shutdown()  # NOT_SERVING, and it stays so
+        picker.gate.close()  # held requests: 429, each on its own stream, which then ends
+        try:
+            await server.stop(grace_s)  # finishes open streams, refuses new ones
+        except asyncio.CancelledError:  # cut short
+            await server.stop(0)
+            raise
+        finally:
+            for other in (rank_server, health_server):
+                if other is not None:
+                    await other.stop(0)  # (a Watch on the health port would otherwise hold the stop for the grace)
 
 
 def _grpc_server(kind: str, max_message_bytes: int, reuse_port: bool,

@@ -21,6 +21,7 @@ from router.events.bus_nats import BusSubscriber
 from router.events.subscriber import EventSource, KvEventSubscriber
 from router.frontends.diagnosis import Diagnosis, ProblemLog, diagnose_fleet, engine_block_size
 from router.load import parse_engine_metrics
+from router.nats_connection import NatsAuth
 from router.scheduling import Endpoint, RoutingCore
 
 log = logging.getLogger(__name__)
@@ -33,10 +34,10 @@ DEFAULT_MAX_MODEL_LEN = 1 << 20
 def fleet_from_config(core: RoutingCore, config: RouterConfig) -> Fleet:
     k8s = config.kubernetes
     fleet = Fleet(core, probe_interval_s=config.probe_interval_s, events_bind=config.events_bind,
-                  events_bus=config.events_bus, workers_file=config.workers_file, max_model_len=config.max_model_len,
+                  events_bus=config.events_bus, events_bus_auth=config.events_bus_auth,
+                  workers_file=config.workers_file, max_model_len=config.max_model_len,
                   kubernetes=(k8s.namespace, k8s.pool, k8s.events_by_default, k8s.kubeconfig) if k8s.pool else None)
-    for spec in config.workers:
-        fleet.add(spec)
+    fleet.set_workers(config.workers)
     return fleet
 
 
@@ -50,6 +51,7 @@ class Fleet:
         unhealthy_after: int = 2,
         events_bind: str | None = None,
         events_bus: str | None = None,
+        events_bus_auth: NatsAuth | None = None,
         workers_file: str | None = None,
         file_poll_s: float = 1.0,
         kubernetes: tuple[str, str, bool, str | None] | None = None,
@@ -57,7 +59,8 @@ class Fleet:
     ) -> None:
         """``kubernetes``: (namespace, InferencePool, events on :5557 by default, kubeconfig or None) to watch.
         ``max_model_len``: the prompt budget, overriding what the workers report. ``events_bus``: a nats://
-        URL: every worker's KV events come from its relay on the bus (router/events/bus.py), none dialled."""
+        URL: every worker's KV events come from its relay on the bus (router/events/bus.py), none dialled;
+        ``events_bus_auth``: the credentials and TLS presented to it."""
         self.core = core
         self.clock = time.monotonic
         self.probe_interval_s = probe_interval_s
@@ -74,10 +77,13 @@ class Fleet:
         self.events_bus = events_bus
         self.subscriber: KvEventSubscriber | BusSubscriber
         if events_bus is not None:
-            self.subscriber = BusSubscriber(core.feeder, events_bus, clock=self.clock)
+            self.subscriber = BusSubscriber(core.feeder, events_bus, clock=self.clock, auth=events_bus_auth)
         else:
             self.subscriber = KvEventSubscriber(core.feeder, bind=events_bind, clock=self.clock)
         self.engine_block_sizes: dict[str, int] = {}  # worker -> block_size of its vllm:cache_config_info
+        # worker -> the LoRA adapter names it lists that another worker serves as a base model: refused there
+        # (``resolve_names``)
+        self.name_conflicts: dict[str, frozenset[str]] = {}
         self.problem_log = ProblemLog()  # each worker's problem, logged once per change (rate-limited)
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
@@ -100,13 +106,18 @@ class Fleet:
             if spec.worker_id in self.leaving:  # listed again before it had left: drained as it was before
                 self.core.set_draining(spec.worker_id, self.leaving.pop(spec.worker_id))
             if self.specs.get(spec.worker_id) != spec:
-                self.add(spec)
+                self._add(spec)
+        self.resolve_names()  # once for the whole change (it looks at every worker)
 
     def add(self, spec: WorkerSpec) -> None:
+        self._add(spec)
+        self.resolve_names()
+
+    def _add(self, spec: WorkerSpec) -> None:
         prev = self.core.endpoints.get(spec.worker_id)
         self.specs[spec.worker_id] = spec
         self.core.upsert_endpoint(Endpoint(
-            spec.worker_id, spec.address, spec.models, spec.loras,
+            spec.worker_id, spec.address, spec.models, spec.loras,  # (its adapters as resolve_names leaves them)
             healthy=prev.healthy if prev else True, draining=prev.draining if prev else False,
             url=spec.url, events=bool(spec.events) or self.subscriber.bind is not None or self.events_bus is not None,
             role=spec.role,
@@ -149,6 +160,38 @@ class Fleet:
         self.engine_block_sizes.pop(worker_id, None)
         self.subscriber.remove_source(worker_id)
         self.core.remove_endpoint(worker_id)
+        self.resolve_names()  # a base model gone: an adapter of its name may be served again
+
+    def resolve_names(self) -> None:
+        """A model name means one model fleet-wide: where one worker serves a name as its base model and another
+        lists it as a LoRA adapter, the adapter is refused (that worker is not routed requests for the name; its
+        other models and adapters stay), and the conflict is logged once per change, exported
+        (``kvrouter_model_name_conflicts``) and shown in ``/admin/workers``. Why the base model: it is the name
+        the engine was started with, the one meaning it has there; an adapter is loaded under a name its
+        loader picks, and one named like a base model shadows it. Why not both: the router keys a request's
+        cache blocks by what the name means (an adapter's blocks carry its name in their hashes, the base
+        model's do not) and prices adapter loads by it, and a client asking for one name would get two
+        different models' answers by where it landed (docs/fleet.md, section 4)."""
+        with_loras = [s for s in self.specs.values() if s.loras]
+        base = frozenset().union(*(s.models for s in self.specs.values())) if with_loras else frozenset()
+        conflicts: dict[str, frozenset[str]] = {}
+        for spec in with_loras:
+            refused = spec.loras & base
+            if refused:
+                conflicts[spec.worker_id] = refused
+            ep = self.core.endpoints.get(spec.worker_id)
+            if ep is not None and ep.loras != spec.loras - refused:
+                ep.loras = spec.loras - refused
+        if conflicts != self.name_conflicts:
+            for name in sorted(frozenset().union(*conflicts.values()) if conflicts else ()):
+                bases = sorted(w for w, s in self.specs.items() if name in s.models)
+                adapters = sorted(w for w, r in conflicts.items() if name in r)
+                log.warning("model name %r is a base model on %s and a LoRA adapter on %s: served as the base "
+                            "model only (a name means one model fleet-wide); rename the adapter",
+                            name, ", ".join(bases), ", ".join(adapters))
+            if self.name_conflicts and not conflicts:
+                log.info("no model name conflicts left")
+            self.name_conflicts = conflicts
 
     def drain(self, worker_id: str, draining: bool = True) -> bool:
         return self.core.set_draining(worker_id, draining)

@@ -10,6 +10,7 @@ same in every process: each has the whole index from the events and the pod's lo
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -20,6 +21,7 @@ from router.frontends.diagnosis import PROBLEMS
 
 if TYPE_CHECKING:
     from router.frontends.fleet import Fleet
+    from router.frontends.flow_gate import FlowGate
     from router.scheduling import Decision, Dispatch
     from router.scheduling.slo import ServiceObjective
 
@@ -54,6 +56,11 @@ class _FleetState:
                                         labels=["worker"])
         problem = GaugeMetricFamily("kvrouter_worker_problem", "1 for the worker's current problem (the likely "
                                     "cause: /admin/workers, the router's log).", labels=["worker", "problem"])
+        # by worker, not by name: the names are in the log and /admin/workers
+        conflicts = GaugeMetricFamily("kvrouter_model_name_conflicts", "LoRA adapter names the worker lists that "
+                                      "another worker serves as a base model: refused there (docs/fleet.md).",
+                                      labels=["worker"])
+        refused = self.fleet.name_conflicts
         diagnoses = self.fleet.diagnose()
         stale = 0
         for wid, ep in core.endpoints.items():
@@ -68,6 +75,7 @@ class _FleetState:
             for s in ("synced", "unsynced", "unverified", "stale", "no-events"):
                 state.add_metric([wid, s], 1.0 if s == st else 0.0)
             healthy.add_metric([wid], 1.0 if ep.healthy and not ep.draining else 0.0)
+            conflicts.add_metric([wid], len(refused.get(wid, ())))
             for medium, n in core.index.blocks_held(wid).items():
                 blocks.add_metric([wid, medium.name], n)
             feed = core.feeder.feeds.get(wid)
@@ -77,7 +85,7 @@ class _FleetState:
                 gaps.add_metric([wid, "true"], feed.gaps_filled)
                 gaps.add_metric([wid, "false"], feed.gaps - feed.gaps_filled)
                 malformed.add_metric([wid], feed.malformed)
-        yield from (inflight, pending, state, healthy, blocks, events, gaps, malformed, problem)
+        yield from (inflight, pending, state, healthy, blocks, events, gaps, malformed, problem, conflicts)
         yield GaugeMetricFamily("kvrouter_index_entries", "Resident (worker, medium, block) entries.",
                                 value=len(core.index))
         yield GaugeMetricFamily("kvrouter_workers_without_prefix_credit",
@@ -85,11 +93,29 @@ class _FleetState:
         yield from getattr(self.fleet.subscriber, "metric_families", tuple)()  # the event bus's, when on one
 
 
+class _FlowQueue:
+    """Flow control's queue depth per priority (docs/slo.md), read from the gate at scrape time."""
+
+    def __init__(self, gate: FlowGate, priorities: Iterable[int]) -> None:
+        self.gate = gate
+        self.priorities = frozenset(priorities)  # shown at 0 while none of theirs waits (a series that stays)
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        depth = GaugeMetricFamily("kvrouter_flow_queue_depth", "Requests waiting in flow control's queue, per "
+                                  "priority (the objective's; 0 without one); under --processes N, the answering "
+                                  "process's own queue.", labels=["priority"])
+        waiting = {p: 0 for p in self.priorities} | self.gate.waiting_by_priority()
+        for priority, n in sorted(waiting.items()):
+            depth.add_metric([str(priority)], n)
+        yield depth
+
+
 class RouterMetrics:
     def __init__(self, fleet: Fleet) -> None:
         self.registry = CollectorRegistry()
         self._fleet_state = _FleetState(fleet)
         self.registry.register(self._fleet_state)  # type: ignore[arg-type]
+        self._flow: _FlowQueue | None = None
         r = self.registry
         self.decisions = Counter("kvrouter_decisions", "Routing decisions.", ["policy", "outcome", "credit"],
                                  registry=r)
@@ -124,6 +150,14 @@ class RouterMetrics:
         # two or three times (a few label values each: statuses, and policy x outcome x credit)
         self._by_status: dict[int | str, Counter] = {}
         self._by_decision: dict[tuple[str, str, bool], Counter] = {}
+
+    def watch_flow(self, gate: FlowGate, priorities: Iterable[int] = (0,)) -> None:
+        """Export ``gate``'s queue depth per priority (``kvrouter_flow_queue_depth``), read at each scrape;
+        ``priorities`` (the configured objectives') are shown at 0 while nothing of theirs waits."""
+        if self._flow is not None:
+            self.registry.unregister(self._flow)  # type: ignore[arg-type]
+        self._flow = _FlowQueue(gate, priorities)
+        self.registry.register(self._flow)  # type: ignore[arg-type]
 
     def count_request(self, status: int | str) -> None:
         """One request answered (or refused) with ``status``."""
@@ -185,4 +219,6 @@ class RouterMetrics:
         registry = CollectorRegistry()
         MultiProcessCollector(registry, directory)
         registry.register(self._fleet_state)  # type: ignore[arg-type]
+        if self._flow is not None:
+            registry.register(self._flow)  # type: ignore[arg-type]
         return generate_latest(registry)

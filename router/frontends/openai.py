@@ -24,6 +24,8 @@ tokenizer, in vLLM's shapes, bounded and checked the same way.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import itertools
 import os
 from collections.abc import Callable, Mapping
@@ -38,11 +40,25 @@ from router.frontends.api_paths import api_path
 from router.frontends.http1 import error_body
 from router.keys import request_keys
 from router.scheduling import RouteRequest
-from router.scheduling.slo import NO_OBJECTIVE, ObjectiveError, ServiceObjective, SloConfig, objective_for
+from router.scheduling.slo import (
+    NO_OBJECTIVE,
+    OBJECTIVE_HEADER_NAMES,
+    ObjectiveError,
+    ObjectiveForbidden,
+    ServiceObjective,
+    SloConfig,
+    objective_for,
+)
 from router.tokenizer import PromptError, PromptTokenizer, context_error
 
-ERROR_KINDS = {404: "NotFoundError", 413: "RequestEntityTooLarge", 429: "TooManyRequests"}
+ERROR_KINDS = {403: "PermissionDeniedError", 404: "NotFoundError", 413: "RequestEntityTooLarge",
+               429: "TooManyRequests"}
 TENANT_MISSING_MODES = ("reject", "no_salt")
+DEFAULT_MAX_N = 128  # choices per prompt (config max_n): vLLM sets no bound; the router's work per request needs one
+# max_tokens where no context bounds it (every live front end knows one): past any model's context, and small enough
+# that a request's work (max_tokens x n x prompts) stays a machine integer
+MAX_TOKENS_BOUND = 2**31 - 1
+ECHO_CHARS = 256  # a client's string echoed in an answer or a log line is cut to this (a 5 MB model name was echoed)
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
 # what a request body is, by its endpoint (router/tokenizer.py KINDS)
@@ -82,12 +98,23 @@ def error_response(status: int, message: str, kind: str = "BadRequestError",
     return web.json_response(error_body(status, message, kind), status=status, headers=headers)
 
 
+def client_text(text: object, limit: int = ECHO_CHARS) -> str:
+    """A client's string as it may be echoed (in an answer) or logged: at most ``limit`` characters, then an
+    ellipsis, and with every control character escaped (a CR LF in a model name forged log lines)."""
+    text = str(text)
+    cut = len(text) > limit
+    text = text[:limit]
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return text + "..." if cut else text
+
+
 class BadRequest(ValueError):
     """A request refused for what the client sent (or, with 429, for how much is already being parsed)."""
 
     def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
+        super().__init__(message if len(message) <= 4 * ECHO_CHARS else message[: 4 * ECHO_CHARS] + "...")
+        self.status = status  # (a message quoting the client is bounded here whatever quoted it)
 
     @property
     def kind(self) -> str:
@@ -97,20 +124,50 @@ class BadRequest(ValueError):
 @dataclass(frozen=True, slots=True)
 class SaltRule:
     """Where a request's ``cache_salt`` comes from. ``trust_client``: the body's own (no tenant header is
-    configured); otherwise ``salt`` (the trusted header's value, or None: the body's salt is removed)."""
+    configured); otherwise ``salt`` (derived from the trusted header's value, or None: the body's salt is
+    removed). ``tenant``: the trusted header's value (None: no header configured, or none sent)."""
 
     trust_client: bool = True
     salt: str | None = None
+    tenant: str | None = None
 
 
-def salt_rule(headers: Mapping[str, str], tenant_header: str | None, missing: str = "reject") -> SaltRule:
-    """With a trusted tenant header configured the client's ``cache_salt`` is never used: the header's value
-    is, and a request without the header is refused (``missing="reject"``) or served with no salt at all."""
+def trusted_header(headers: Mapping[str, str], name: str) -> str | None:
+    """The value of a header the router decides by (the tenant, the objective, the targets, the fairness id),
+    refused when repeated: a gateway that appends its value instead of replacing the client's would otherwise
+    let the client's win (the proxy read the first value, the picker the last). ``headers``: a multi-mapping
+    (``getall``: the proxy's request headers, the picker's ``_headers_of``); a plain mapping cannot repeat."""
+    getall = getattr(headers, "getall", None)
+    if getall is None:
+        return headers.get(name)
+    values = getall(name, ())
+    if len(values) > 1:
+        raise BadRequest(f"the {name} header was sent {len(values)} times; it must be sent once")
+    return values[0] if values else None
+
+
+def tenant_salt(secret: bytes, tenant: str) -> str:
+    """The ``cache_salt`` of a tenant's requests: HMAC-SHA256 of its name under the router's secret, hex. The
+    tenant's name as sent was guessable, and with it whoever could query a worker's cache by salt could probe
+    another tenant's prompts block by block; only the router (and replicas given the same secret) can compute
+    this one."""
+    return hmac.new(secret, tenant.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
+
+
+_PROCESS_SECRET = os.urandom(32)  # salts where no secret is given (a RouterConfig built without load_config)
+
+
+def salt_rule(headers: Mapping[str, str], tenant_header: str | None, missing: str = "reject",
+              secret: str | bytes | None = None) -> SaltRule:
+    """With a trusted tenant header configured the client's ``cache_salt`` is never used: the tenant's derived
+    salt (``tenant_salt`` under ``secret``; None: this process's random one) is, and a request without the header
+    is refused (``missing="reject"``) or served with no salt at all. A repeated tenant header is refused."""
     if not tenant_header:
         return SaltRule()
-    tenant = headers.get(tenant_header)
+    tenant = trusted_header(headers, tenant_header)
     if tenant:
-        return SaltRule(False, tenant)
+        key = _PROCESS_SECRET if secret is None else secret.encode() if isinstance(secret, str) else secret
+        return SaltRule(False, tenant_salt(key, tenant), tenant)
     if missing == "no_salt":
         return SaltRule(False, None)
     raise BadRequest(f"the {tenant_header} header is required")
@@ -119,10 +176,15 @@ def salt_rule(headers: Mapping[str, str], tenant_header: str | None, missing: st
 def request_objective(headers: Mapping[str, str], slo: SloConfig, model: str | None,
                       tenant: str | None) -> ServiceObjective:
     """The request's service objective (router/scheduling/slo.py: llm-d's target headers, GIE's objective header,
-    the config's defaults); a malformed one is a 400 naming the header. ``tenant``: the trusted tenant header's
-    value, or None (a client's own claim of a tenant is never read)."""
+    the config's defaults); a malformed one is a 400 naming the header, a repeated one a 400, an objective above
+    the one config gives the request a 403. ``tenant``: the trusted tenant header's value, or None (a client's own
+    claim of a tenant is never read)."""
+    for name in OBJECTIVE_HEADER_NAMES:
+        trusted_header(headers, name)
     try:
         return objective_for(headers, slo, model, tenant)
+    except ObjectiveForbidden as e:
+        raise BadRequest(str(e), 403) from None
     except ObjectiveError as e:
         raise BadRequest(str(e)) from None
 
@@ -234,12 +296,14 @@ def merge_completions(answers: list[dict[str, Any]], n: int = 1) -> dict[str, An
     return {**answers[0], "choices": choices, "usage": usage_out}
 
 
-def _positive_int(body: dict[str, Any], name: str) -> int | None:
+def _positive_int(body: dict[str, Any], name: str, most: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if type(value) is not int or value < 1:
         raise BadRequest(f"'{name}' must be a positive integer")
+    if value > most:
+        raise BadRequest(f"'{name}' must be at most {most}")
     return value
 
 
@@ -267,14 +331,19 @@ def _model_tokenizer(body: dict[str, Any], tokenizer_for: Callable[[str | None],
 
 
 def model_not_found(name: str | None) -> str:
-    """vLLM's own words for a model it does not serve (the proxy and the picker answer a 404 with them)."""
-    return f"The model `{name}` does not exist."
+    """vLLM's own words for a model it does not serve (the proxy and the picker answer a 404 with them), the name
+    cut to ``ECHO_CHARS`` (the answer to a 5 MB name was 5 MB)."""
+    return f"The model `{client_text(name)}` does not exist."
 
 
 def parse_body(raw: bytes, path: str, tokenizer_for: Callable[[str | None], PromptTokenizer],
-               salt: SaltRule = SaltRule(), max_model_len: int | None = None) -> ParsedRequest:
+               salt: SaltRule = SaltRule(), max_model_len: int | None = None,
+               max_n: int = DEFAULT_MAX_N) -> ParsedRequest:
     """``path`` names the endpoint (``request_kind``); ``salt`` says whose ``cache_salt`` counts;
-    ``max_model_len`` (the largest context a worker serves) bounds every prompt before it is tokenized."""
+    ``max_model_len`` (the largest context a worker serves) bounds every prompt before it is tokenized, and every
+    prompt with the output asked for (at most ``MAX_TOKENS_BOUND`` in any case); ``max_n`` bounds ``n`` (config
+    ``max_n``): the router charges a request's work as its output times ``n``, and an unbounded ``n`` (10^13)
+    pinned flow control; over either is a 400 naming the field."""
     body = _json_object(raw)
     kind = request_kind(path)
     chat = kind == "chat"
@@ -289,13 +358,14 @@ def parse_body(raw: bytes, path: str, tokenizer_for: Callable[[str | None], Prom
         if not isinstance(stream, bool):
             raise BadRequest("'stream' must be true or false")
     asked = None
+    most = MAX_TOKENS_BOUND  # where a context is known, a prompt and its output are refused past it below
     if chat:
-        asked = _positive_int(body, "max_completion_tokens")
+        asked = _positive_int(body, "max_completion_tokens", most)
     elif kind == "responses":
-        asked = _positive_int(body, "max_output_tokens")
+        asked = _positive_int(body, "max_output_tokens", most)
     if asked is None and kind in ("completions", "chat"):
-        asked = _positive_int(body, "max_tokens")
-    n = _positive_int(body, "n") if kind in ("completions", "chat") else None
+        asked = _positive_int(body, "max_tokens", most)
+    n = _positive_int(body, "n", max_n) if kind in ("completions", "chat") else None
     if salt.trust_client:
         cache_salt = body.get("cache_salt")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -394,8 +464,8 @@ class RequestParser:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvrouter-parse")
 
     async def parse(self, raw: bytes, path: str, salt: SaltRule = SaltRule(),
-                    max_model_len: int | None = None) -> ParsedRequest:
-        return await self._run(raw, lambda: parse_body(raw, path, self.tokenizer_for, salt, max_model_len))
+                    max_model_len: int | None = None, max_n: int = DEFAULT_MAX_N) -> ParsedRequest:
+        return await self._run(raw, lambda: parse_body(raw, path, self.tokenizer_for, salt, max_model_len, max_n))
 
     async def tokenizer_path(self, raw: bytes, path: str, max_model_len: int | None = None) -> dict[str, Any]:
         """The answer to ``/tokenize`` or ``/detokenize`` (``path``), from the router's own tokenizer."""

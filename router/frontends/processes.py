@@ -19,7 +19,6 @@ reaches the others as a delta. docs/configuration.md says what each endpoint sho
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import multiprocessing
@@ -35,7 +34,7 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
 from router.config import RouterConfig
-from router.frontends.event_loop import run
+from router.frontends.event_loop import run, until_signalled
 from router.frontends.metrics import MULTIPROC_ENV
 from router.load.bus import IpcLoadBus, LoadBus, LoadSync, NatsLoadBus
 from router.load.exchange import LoadExchange, sanitize_replica_id
@@ -46,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvrouter.processes")
 
 RESTART_INTERVAL_S = 1.0
+STOP_MARGIN_S = 5.0  # past its grace, what a child gets to close its sockets and exit before it is killed
 
 
 @dataclass(frozen=True)
@@ -107,21 +107,23 @@ def _child(command: str, config: RouterConfig, slot: ProcessSlot, log_level: str
     else:
         from router.frontends.epp import run_epp as runner
 
-    async def main() -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
-        with contextlib.suppress(asyncio.CancelledError):
-            await runner(config, slot=slot)
-
-    run(main())
+    # SIGTERM drains it (a second cuts the drain short), as a lone router; SIGINT is the supervisor's to forward:
+    # a terminal's Ctrl-C reaches the whole process group, and taken here too it would count as the second
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    run(until_signalled(runner(config, slot=slot), (signal.SIGTERM,)))
 
 
 # ---- the parent ----------------------------------------------------------------------------------------
+def grace_s(command: str, config: RouterConfig) -> float:
+    """How long a router of ``command`` lets its requests in flight finish once told to stop."""
+    return config.http.grace_s if command == "serve" else config.epp.grace_s
+
+
 def supervise(command: str, config: RouterConfig) -> int:
-    """Run ``config.processes`` children of ``kvrouter COMMAND`` until SIGTERM/SIGINT; restart any that dies."""
+    """Run ``config.processes`` children of ``kvrouter COMMAND`` until SIGTERM/SIGINT; restart any that dies.
+    Each signal is forwarded to every child as SIGTERM: the first drains them, a second cuts their drains short.
+    Exits 0 once every child has exited by itself, 1 if one had to be killed (still running ``STOP_MARGIN_S``
+    past its grace)."""
     count = config.processes
     ctx = multiprocessing.get_context("spawn")
     root = tempfile.mkdtemp(prefix="kvrouter-")
@@ -152,6 +154,8 @@ def supervise(command: str, config: RouterConfig) -> int:
     started_at: list[float] = []
     try:
         for i in range(count):
+            if stopping:  # told to stop while starting: the children started have been told, none more starts
+                break
             procs.append(start(i))
             started_at.append(time.monotonic())
         log.warning("kvrouter %s: %d processes (pids %s) on one port", command, count,
@@ -167,14 +171,15 @@ def supervise(command: str, config: RouterConfig) -> int:
                           p.exitcode)
                 procs[i] = start(i)
                 started_at[i] = time.monotonic()
-        deadline = time.monotonic() + config.epp.grace_s + 5.0
+        deadline = time.monotonic() + grace_s(command, config) + STOP_MARGIN_S
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.exitcode is None:
-                p.kill()
-                p.join()
-        return 0
+        late = [p for p in procs if p.exitcode is None]
+        for p in late:
+            log.error("kvrouter %s: %s still running %.0f s past its grace: killed", command, p.name, STOP_MARGIN_S)
+            p.kill()
+            p.join()
+        return 1 if late else 0
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

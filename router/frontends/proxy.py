@@ -37,7 +37,7 @@ from aiohttp import web
 
 from router.config import RouterConfig
 from router.frontends import http1
-from router.frontends.admin import FleetAdmin
+from router.frontends.admin import FleetAdmin, admin_guard
 from router.frontends.api_paths import GENERATE_PATHS, TOKENIZER_PATHS
 from router.frontends.fleet import fleet_from_config
 from router.frontends.flow_gate import FlowGate
@@ -48,6 +48,7 @@ from router.frontends.openai import (
     ParsedRequest,
     RequestParser,
     SaltRule,
+    client_text,
     merge_completions,
     model_not_found,
     new_request_id,
@@ -190,7 +191,11 @@ class ProxyServer:
         self.decisions: collections.deque[_LoggedDecision] = collections.deque(maxlen=config.decision_log_size)
         self.parser = RequestParser(self.tokenizer_for)
         self.gate = FlowGate(self.core, config.flow_control)  # flow control (docs/slo.md); off unless enabled
+        self.metrics.watch_flow(self.gate, {0, *(o.priority for o in config.slo.objectives.values())})
         self.connections = http1.Connections(config.http.max_connections)  # the API port's client connections
+        self.stopping = False  # draining (``drain``): not ready, every answer its connection's last
+        self._active: set[Request] = set()  # the API requests being answered (a stream until its last byte)
+        self._idle = asyncio.Event()  # set, while stopping, once none is
         self._pool: UpstreamPool | None = None
         self._urls: dict[str, tuple[str, int, str, bool]] = {}  # worker URL: host, port, path prefix, TLS
         # the client headers never forwarded: with a trusted tenant header (salt.salt set), that one too
@@ -211,6 +216,33 @@ class ProxyServer:
             self._pool.close()
         self.parser.close()
 
+    async def drain(self, api: asyncio.Server | None, grace_s: float) -> None:
+        """A graceful stop (SIGTERM): not ready (``/health`` 503), no new connections (the listener is closed),
+        the requests flow control holds answered 429 with Retry-After (``FlowGate.close``: and so is any that
+        would wait from now on), and those in flight, streams included, given up to ``grace_s`` to finish. Each
+        connection closes after its answer: a request that arrives meanwhile on one still open is served, and its
+        answer is that connection's last, so its client's next request opens a connection to a router that
+        stays. What is still open at the end (idle connections; requests past the grace) is closed. Cancelled (a
+        second signal): closed at once."""
+        self.stopping = True
+        if api is not None:
+            api.close()
+        self.gate.close()
+        for request in self._active:
+            request.keep_alive = False
+        deadline = time.monotonic() + grace_s
+        try:
+            while self._active and (left := deadline - time.monotonic()) > 0:
+                self._idle.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._idle.wait(), left)
+        finally:
+            if self._active:
+                log.warning("kvrouter serve: %d requests still in flight at the end of the drain: cut",
+                            len(self._active))
+            for conn in list(self.connections.open):
+                conn.close()
+
     async def serve_api(self, host: str, port: int, reuse_port: bool = False) -> asyncio.Server:
         """Listen for the API (router/frontends/http1.py: the request path on asyncio protocols)."""
         return await http1.serve(self.handle, host, port, self.config.max_body_bytes, reuse_port,
@@ -228,10 +260,19 @@ class ProxyServer:
             return error(405, f"{request.method} is not served on {request.path}", "MethodNotAllowed",
                          {"allow": ", ".join(methods)})
         handler = getattr(self, name)
-        return await handler(request)
+        if self.stopping:
+            request.keep_alive = False  # draining: its answer is the connection's last (the next goes elsewhere)
+        active = self._active
+        active.add(request)
+        try:
+            return await handler(request)
+        finally:
+            active.discard(request)
+            if not active and self.stopping:
+                self._idle.set()
 
     def admin_app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[admin_guard(self.config.admin.host)])  # what no web page can send
         app.add_routes([
             web.get("/debug/decision", self.debug_decisions),
             *FleetAdmin(self.core, self.fleet).routes(),
@@ -247,12 +288,12 @@ class ProxyServer:
     async def generate(self, request: Request) -> Response | None:
         started = time.monotonic()
         raw = request.body  # whole, within max_body_bytes (a longer one was a 413 before it was read)
-        tenant_header = self.config.tenant_header
-        tenant = request.headers.get(tenant_header) if tenant_header else None  # trusted, or none at all
         try:
-            salt = salt_rule(request.headers, tenant_header, self.config.tenant_missing)
-            parsed = await self.parser.parse(raw, request.path, salt, self.fleet.max_model_len())
-            objective = request_objective(request.headers, self.config.slo, parsed.model, tenant)
+            # the trusted tenant (salt.tenant: the tenant_header's one value, or none at all) and its derived salt
+            salt = salt_rule(request.headers, self.config.tenant_header, self.config.tenant_missing,
+                             self.config.salt_secret)
+            parsed = await self.parser.parse(raw, request.path, salt, self.fleet.max_model_len(), self.config.max_n)
+            objective = request_objective(request.headers, self.config.slo, parsed.model, salt.tenant)
         except BadRequest as e:
             self.metrics.count_request(e.status)
             return error(e.status, str(e), e.kind)
@@ -266,7 +307,7 @@ class ProxyServer:
         decision = self._decide(rreq, request, started)
         # while the fleet is saturated the request waits here; a client that leaves is cancelled out of the queue
         decision = await self.gate.admit(rreq, decision, lambda now: self.core.decide(rreq, now),
-                                         flow_id(request.headers, tenant))
+                                         flow_id(request.headers, salt.tenant))
         if decision.outcome != "routed":
             return self._refusal(decision, objective=objective, request=rreq)
         headers = self._upstream_headers(request, salt)
@@ -454,17 +495,33 @@ class ProxyServer:
         """Each prompt decided and dispatched in turn (so the next one's decision sees where the previous went:
         its load, its speculative prefix), before any is sent; then all forwarded at once, each with its own
         retries; the answers merged in prompt order. Any prompt refused at its decision refuses the batch
-        before anything is sent. Each prompt is routed to the request's ``objective``; a batch is not held by
-        flow control (its prompts are dispatched together, or it is refused whole)."""
+        before anything is sent. Each prompt is routed to the request's ``objective``.
+
+        Flow control admits the batch as one unit, before any of its prompts is dispatched: its first prompt's
+        decision is what it waits on (decided again when the fleet has room), and its flow is charged every
+        prompt's tokens. One unit, not one per prompt: the client gets nothing until every prompt is answered,
+        so a prompt sent ahead of the others would only hold a worker's room (its dispatch counts there) while
+        the rest wait; and one place in the queue per client request keeps ``max_queued`` and a client that
+        leaves the same as for a lone request."""
         subs = parsed.split()
         lora = self.core.lora_of(parsed.model)
         session = request.headers.get(self.config.session_header)
+        rreqs = [await self.parser.route_request(sub, new_request_id(), self.config.routing.block_size, lora=lora,
+                                                 session=session, objective=objective) for sub in subs]
+        first = rreqs[0]
+        decision = self._decide(first, request, started, batch_index=0)
+        if decision.outcome != "routed":
+            return self._refusal(decision, "prompt[0]: ", objective)
+        decision = await self.gate.admit(first, decision, lambda now: self.core.decide(first, now),
+                                         flow_id(request.headers, salt.tenant),
+                                         cost_tokens=sum(r.prompt_tokens + r.max_tokens for r in rreqs))
+        if decision.outcome != "routed":
+            return self._refusal(decision, "", objective)
         plans: list[tuple[ParsedRequest, RouteRequest, Decision, Dispatch]] = []
-        try:
-            for i, sub in enumerate(subs):
-                rreq = await self.parser.route_request(sub, new_request_id(), self.config.routing.block_size,
-                                                       lora=lora, session=session, objective=objective)
-                decision = self._decide(rreq, request, started, batch_index=i)
+        try:  # (no await until every prompt is dispatched: the gate's next release sees their load)
+            for i, (sub, rreq) in enumerate(zip(subs, rreqs, strict=True)):
+                if i:
+                    decision = self._decide(rreq, request, started, batch_index=i)
                 if decision.outcome != "routed":
                     now = time.monotonic()
                     for *_, handle in plans:
@@ -658,14 +715,21 @@ class ProxyServer:
     def _log_decision(self, rid: str, client_rid: str | None, prompt_tokens: int, decision: Decision,
                       batch_index: int | None = None) -> None:
         self.decisions.append(_LoggedDecision(rid, client_rid, prompt_tokens, decision, batch_index))
-        log.info("route %s -> %s (%s; %s)", rid, decision.chosen, decision.outcome, decision.reason)
+        # the reason may quote the client (a model name): escaped and bounded, so a CR LF cannot forge a log line
+        log.info("route %s -> %s (%s; %s)", rid, decision.chosen, decision.outcome, client_text(decision.reason, 4096))
 
     # ---- other endpoints ---------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
+        """The models of the workers that take new requests, merged; a 503 while none does (every worker
+        drained or unhealthy), as ``/health`` and the picker answer: a drained worker is asked nothing new, and
+        a model listed here is one a request may be sent for now (docs/fleet.md, section 2)."""
+        ready = [ep for ep in self.core.endpoints.values() if ep.healthy and not ep.draining]
+        if not ready:
+            self.metrics.count_request("503")
+            return error(503, "no worker takes new requests (every worker is draining or unhealthy)",
+                         "ServiceUnavailableError")
         seen: dict[str, dict[str, Any]] = {}
-        for ep in list(self.core.endpoints.values()):
-            if not ep.healthy:
-                continue
+        for ep in ready:
             try:
                 up = await self._send("GET", ep.url, "/v1/models", [("accept", "application/json")], b"", 2.0)
                 try:
@@ -679,6 +743,8 @@ class ProxyServer:
         return json_response({"object": "list", "data": list(seen.values())})
 
     async def health(self, request: Request) -> Response:
+        if self.stopping:  # not ready: a load balancer sends nothing new here
+            return json_response({"status": "shutting down"}, status=503)
         ready = any(ep.healthy and not ep.draining for ep in self.core.endpoints.values())
         return json_response({"status": "ok" if ready else "no healthy workers"}, status=200 if ready else 503)
 
@@ -707,9 +773,10 @@ class ProxyServer:
 
 
 async def run_proxy(config: RouterConfig, slot: ProcessSlot | None = None) -> None:
-    """Serve until cancelled: the proxy on ``listen``, admin and debug on ``admin`` (localhost by default).
-    ``slot``: one of ``--processes N`` (router/frontends/processes.py): the port is shared (SO_REUSEPORT), the
-    load too, and admin is served by process 0 only."""
+    """Serve until cancelled, then drain (``ProxyServer.drain``, ``config.http.grace_s``; a second cancellation
+    cuts it short): the proxy on ``listen``, admin and debug on ``admin`` (localhost by default). ``slot``: one of
+    ``--processes N`` (router/frontends/processes.py): the port is shared (SO_REUSEPORT), the load too, and admin
+    is served by process 0 only."""
     server = ProxyServer(config)
     await server.start()
     shared = start_shared_load(server.fleet, config, slot)
@@ -728,10 +795,11 @@ async def run_proxy(config: RouterConfig, slot: ProcessSlot | None = None) -> No
                  config.listen.port, config.admin.host, config.admin.port, config.routing.policy)
         await asyncio.Event().wait()
     finally:
-        if api is not None:
-            api.close()
-        for runner in runners:
-            await runner.cleanup()
-        if shared is not None:
-            await shared.stop()
-        await server.stop()
+        try:
+            await server.drain(api, config.http.grace_s)
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+            if shared is not None:
+                await shared.stop()
+            await server.stop()

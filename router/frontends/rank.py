@@ -1,4 +1,10 @@
-"""kvrouter.v1.Picker/Rank: the routing core's ranking for callers that are not Envoy (proto/kvrouter/v1)."""
+"""kvrouter.v1.Picker/Rank: the routing core's ranking for callers that are not Envoy (proto/kvrouter/v1).
+
+An operator's tool, not a data-plane service: it answers for any ``cache_salt`` it is given how many of the
+prompt's blocks each worker holds, so whoever reaches it can probe another tenant's cached prompts block by block
+(issue 50, finding 4). ``kvrouter epp`` therefore serves it only when ``epp.rank_port`` is set, on its own
+listener on ``admin.host`` (127.0.0.1 by default), never on the ext_proc port the gateway and the pods reach.
+"""
 
 from __future__ import annotations
 

@@ -38,6 +38,9 @@ class EngineMetrics:
     loras_running: frozenset[str] = frozenset()
     loras_waiting: frozenset[str] = frozenset()
     max_loras: int | None = None
+    # the batch limit the router has learned for this engine (``BatchLimit``), set on the router's view of
+    # the scrape (``FleetState.engine_view``): no engine publishes it (vLLM's ``max_num_seqs`` is in no metric)
+    batch_limit: int | None = None
 
     def fresh(self, now: float, max_age_s: float) -> EngineMetrics | None:
         return self if now - self.scraped_at <= max_age_s else None
@@ -95,6 +98,40 @@ def parse_engine_metrics(text: str, scraped_at: float) -> EngineMetrics:
                 found[field] = found.get(field, 0.0) + s.value
     return EngineMetrics(found.get("waiting"), found.get("running"), found.get("kv_usage"), scraped_at, cache_tokens,
                          work, *lora)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLimit:
+    """An engine's batch limit as its scrapes have shown it: the number of requests it runs at once while it
+    holds others waiting, which it would have started had it room (``max_num_seqs``; vLLM publishes it in no
+    metric, so it is learned from the counts it does publish).
+
+    A request waits in an engine for other reasons too, for a moment: it arrived since the engine's last step
+    (at any load a scrape finds one or two so), or the step's token budget was spent on prefill. Neither holds
+    the running count at one value, and neither at the most the engine has ever run: so a scrape counts as
+    showing the engine full only with requests waiting at the most it has been seen running (and not where the
+    router's own prefill waiting there fills a step's budget, ``budget_bound``), and the limit is taken once
+    two scrapes in a row show it full at the same count. Once the engine runs more than the limit, it was no
+    limit, and is unknown again. An engine whose queue the router keeps empty by holding requests at its limit
+    shows no requests waiting: the limit stands (its memory running out below it, too: the memory wait prices
+    that). The router then counts what waits there beyond the limit (router/scheduling/cost.py ``slot_steps``),
+    counting a batch exactly at the limit as room for one more: a limit that has become too high or too low is
+    found out by the next request the engine runs or holds beyond it."""
+
+    limit: int | None = None  # as confirmed
+    most_running: float = 0.0  # the most it has been seen running at once
+    full_at: int | None = None  # the running count of the last scrape that showed it full, to be confirmed
+
+    def seen(self, metrics: EngineMetrics, budget_bound: bool = False) -> BatchLimit:
+        """What this scrape adds."""
+        waiting, running = metrics.waiting, metrics.running
+        if waiting is None or running is None:
+            return self
+        limit = None if self.limit is not None and running > self.limit else self.limit
+        full = waiting >= 1 and running >= 1 and running >= self.most_running and not budget_bound
+        if full and self.full_at == int(running):
+            limit = int(running)
+        return BatchLimit(limit, max(self.most_running, running), int(running) if full else None)
 
 
 def _adapters(text: str) -> frozenset[str]:

@@ -25,11 +25,11 @@
 
 /* the columns ``price`` reads, in the order it takes them (``latency_cost._candidate_columns``) */
 enum { HAS_LOAD, REQUESTS, DECODING, ACTIVE, PENDING, CAPACITY, FRESH, WAITING, RUNNING, KV, GPU, CPU, STORAGE,
-       OUTPUT_TOKENS, TTFT_SLOPE, DECODE_SLOPE, N_COLUMNS };
+       OUTPUT_TOKENS, TTFT_SLOPE, DECODE_SLOPE, BATCH_LIMIT, N_COLUMNS };
 
 /* the rows it writes, one value per candidate (``latency_cost.OBJECTIVE_ROWS``) */
 enum { R_QUEUE, R_PREFILL, R_DECODE, R_TTFT, R_STALL, R_INTERFERENCE, R_EVICTION, R_STEP, R_MODEL_TTFT,
-       R_MODEL_STEP, R_SCORE, R_NEED, R_OVER, R_SLOWDOWN, N_ROWS };
+       R_MODEL_STEP, R_SCORE, R_NEED, R_OVER, R_SLOWDOWN, R_BATCH_WAIT, N_ROWS };
 
 typedef struct {
     Py_buffer view;
@@ -139,9 +139,11 @@ static inline double prefill_s(const Timing *t, double tokens, double budget, do
     return tokens > 0 ? steps * np_max(per_step, floor_s) : 0.0;
 }
 
-/* A memory wait into candidate ``k``'s rows: the reference adds it to the queue, then sums as ``price`` does */
+/* A memory wait into candidate ``k``'s rows: the reference adds what of it is beyond the batch wait to the
+ * queue, then sums as ``price`` does */
 static inline void add_wait(double *o, Py_ssize_t n, Py_ssize_t k, double wait, double w) {
-    const double queue = o[R_QUEUE * n + k] + wait, prefill = o[R_PREFILL * n + k];
+    const double queue = o[R_QUEUE * n + k] + np_max(0.0, wait - o[R_BATCH_WAIT * n + k]);
+    const double prefill = o[R_PREFILL * n + k];
     o[R_QUEUE * n + k] = queue;
     o[R_TTFT * n + k] = queue + prefill;
     o[R_SCORE * n + k] = queue + prefill + o[R_STALL * n + k] + o[R_EVICTION * n + k] +
@@ -150,11 +152,11 @@ static inline void add_wait(double *o, Py_ssize_t n, Py_ssize_t k, double wait, 
 
 static const char *COLUMN_NAMES[N_COLUMNS] = {
     "has_load", "requests", "decoding", "active", "pending", "capacity", "fresh", "waiting", "running", "kv",
-    "gpu", "cpu", "storage", "output_tokens", "ttft_slope", "decode_slope"};
+    "gpu", "cpu", "storage", "output_tokens", "ttft_slope", "decode_slope", "batch_limit"};
 
 PyDoc_STRVAR(price_doc,
 "price(columns, selection, shared, resident, request, params, out, wait_of, max_calls) -> int\n\n"
-"Every candidate's objective terms into ``out`` (float64, rows x candidates, C order). ``columns``: the 16\n"
+"Every candidate's objective terms into ``out`` (float64, rows x candidates, C order). ``columns``: the 17\n"
 "fleet columns by slot; ``selection``: int64 slots of the candidates, or None for every slot in order;\n"
 "``shared``, ``resident``: float64 by candidate; ``request``: (n_keys, tail, block_size, prompt_tokens,\n"
 "max_tokens); ``params``: (waiting_prompt_tokens, remaining_fraction, step_token_budget,\n"
@@ -254,7 +256,7 @@ static PyObject *price(PyObject *self, PyObject *args) {
         /* ---- _inputs */
         const int has_w = fresh && !isnan(waiting_raw), has_r = fresh && !isnan(running_raw);
         const int has_kv = fresh && !isnan(kv_raw);
-        const double ours = requests - decoding;
+        const double ours = requests - decoding, limit = C(BATCH_LIMIT);
         const double pending = C(PENDING) + (has_w ? np_max(0.0, trunc(waiting_raw) - ours) : 0.0) * wpt;
         const double running = has_r ? np_max(decoding, trunc(running_raw)) : decoding;
         const double kv = has_kv ? kv_raw : 0.0;
@@ -269,6 +271,12 @@ static PyObject *price(PyObject *self, PyObject *args) {
         const double inflight = np_max(np_max(requests, running), 1.0);
         const double gpu = C(GPU), cpu = C(CPU), storage = C(STORAGE);
         const double res = column_get(&resident, k);
+        /* cost.slot_steps */
+        const int limited = fresh && limit > 0 && !isnan(waiting_raw) && !isnan(running_raw);
+        const double total = np_max(requests, trunc(limited ? waiting_raw : 0.0) + trunc(limited ? running_raw : 0.0));
+        const double ahead = np_max(0.0, total - limit);
+        const double per_request = requests > 0 ? C(OUTPUT_TOKENS) / np_max(requests, 1.0) : dmax;
+        const double slot_steps = limited ? ahead / (limited ? limit : 1.0) * per_request : 0.0;
         /* ---- CostModel.terms */
         const double hit = np_min((gpu + cpu + storage) * b, hit_cap);
         const double uncached = dprompt - hit;
@@ -290,6 +298,7 @@ static PyObject *price(PyObject *self, PyObject *args) {
         const double ttft = kk * model_ttft;
         const double queue_s = kk * queue;
         const double prefill = ttft - queue_s;
+        const double batch_wait = slot_steps * d0;
         const double stall = running * np_max(0.0, kk * own - steps * d0);
         if (max_tokens)
             others_left = np_min(others_left, running * dmax);
@@ -297,7 +306,8 @@ static PyObject *price(PyObject *self, PyObject *args) {
         double overflow = uncached + dmax - np_max(0.0, cap * b - res);
         overflow = known ? np_max(overflow, 0.0) : 0.0;
         const double eviction = reuse * kk * prefill_s(&t, overflow, budget, 0.0, NULL);
-        const double queue_total = queue_s + 0.0; /* (the memory wait: the caller's, where ``need``) */
+        /* (the memory wait beyond the batch wait: the caller's, where ``need``) */
+        const double queue_total = queue_s + batch_wait + np_max(0.0, 0.0 - batch_wait);
         const double decode = dmax * own_step;
 #undef C
         o[R_QUEUE * n + k] = queue_total;
@@ -308,13 +318,14 @@ static PyObject *price(PyObject *self, PyObject *args) {
         o[R_INTERFERENCE * n + k] = stall + slowdown;
         o[R_EVICTION * n + k] = eviction;
         o[R_STEP * n + k] = own_step;
-        o[R_MODEL_TTFT * n + k] = pending > 0 ? 0.0 : model_ttft;
+        o[R_MODEL_TTFT * n + k] = pending > 0 ? 0.0 : (slot_steps > 0 ? 0.0 : model_ttft);
         o[R_MODEL_STEP * n + k] = model_own_step;
         o[R_SCORE * n + k] = queue_total + prefill + stall + eviction + w * (decode + slowdown);
         o[R_NEED * n + k] = need ? 1.0 : 0.0;
         needing += need;
         o[R_OVER * n + k] = over;
         o[R_SLOWDOWN * n + k] = slowdown;
+        o[R_BATCH_WAIT * n + k] = batch_wait;
     }
     if (needing && needing <= max_calls) {
         for (Py_ssize_t k = 0; k < n; k++) {

@@ -34,7 +34,8 @@ class FleetColumns:
     (capacity, load), with ``has_load`` / ``has_metrics`` saying which."""
 
     LOAD = ("requests", "prompt_tokens", "pending", "decoding", "output_tokens", "active_blocks")
-    METRICS = ("waiting", "running", "kv", "scraped_at")  # the engine view (``FleetState.engine_view``)
+    # the engine view (``FleetState.engine_view``); ``batch_limit`` 0 where none is known
+    METRICS = ("waiting", "running", "kv", "scraped_at", "batch_limit")
     OTHER = ("capacity", "ttft_slope", "decode_slope", "decode_intercept")
 
     def __init__(self, state: FleetState) -> None:
@@ -128,6 +129,7 @@ class FleetColumns:
         if m is None:
             self.has_metrics[i] = False
             self.waiting[i] = self.running[i] = self.kv[i] = self.scraped_at[i] = _NAN
+            self.batch_limit[i] = 0.0
         else:
             v = st.engine_view(wid, m)
             assert v is not None
@@ -136,6 +138,7 @@ class FleetColumns:
             self.waiting[i] = _NAN if v.waiting is None else v.waiting
             self.running[i] = _NAN if v.running is None else v.running
             self.kv[i] = _NAN if v.kv_usage is None else v.kv_usage
+            self.batch_limit[i] = v.batch_limit or 0
         self.capacity[i] = st.cache_tokens.get(wid) or 0
         prof = st.cost.profile(wid)
         self.ttft_slope[i] = prof.ttft.slope

@@ -4,7 +4,7 @@ For a request and a candidate worker, with ``p0`` the worker's KV fraction in us
 the engine's own ``kv_usage`` when that says more) and ``p1`` that fraction once this request's new blocks are
 added (the prompt blocks no request in flight there shares, its partial block and its output):
 
-    own TTFT   = queue + prefill(uncached) + load-back + memory wait
+    own TTFT   = queue + batch wait + prefill(uncached) + load-back + memory wait beyond the batch wait
     own decode = max_tokens x step(p1)
     stall      = running x (prefill steps - the decode steps they replace)   (its prefill holds every decode there)
     slowdown   = others' remaining output x (step(p1) - step(p0))          (its KV slows their every step)
@@ -14,9 +14,16 @@ added (the prompt blocks no request in flight there shares, its partial block an
 - queue: prefill already sent there and not done (router accounting; the engine's waiting count when it says
   more: other routers feed it too). Engines batch prefill in steps of up to ``step_token_budget`` tokens, so the
   wait is what prefilling pending + own tokens costs beyond its own alone;
+- batch wait: an engine runs at most so many requests at once (``max_num_seqs``), and the rest
+  wait for a running one to finish: the requests there beyond that limit (the engine's running and waiting
+  counts with the router's own brought up to now, or the router's own when they are more) each wait for one
+  to end, and its places free one every (a request's decode) / (limit) on average, so it waits that long per
+  request ahead of it (``slot_steps``: decode steps; the limit is learned from the engine's own counts,
+  router/load/metrics.py ``BatchLimit``);
 - a prefill step beside running decodes lasts at least their decode step (``max(prefill, decode)``);
 - GPU hits are free; CPU-tier hits cost a load-back per token, storage-tier hits more;
 - memory wait: when its blocks do not fit beside what the requests in flight hold, until enough of them end;
+  both waits are for requests ending there, so only the memory wait beyond the batch wait adds;
 - P(reuse): the fraction of evicted blocks the fleet is later asked for again (``ReuseTracker``, learned from
   the events and the requests; a prior until then); the pushed-out tokens are what it stores anew (uncached
   prompt and output) beyond the free room
@@ -41,6 +48,7 @@ import numpy as np
 from router.index import PrefixMatch
 from router.load import EngineMetrics, WorkerLoad
 from router.scheduling.engine_profile import DEFAULT_TIMING, EngineProfile, RobustLine, StepTiming
+from router.scheduling.scalar_ops import SCALAR_OPS
 
 
 @dataclass(frozen=True)
@@ -82,9 +90,26 @@ class CostParams:
                           self.decode_c, self.load_back_ms_per_token)
 
 
+def slot_steps(xp: Any, limited: Any, waiting: Any, running: Any, requests: Any, output_tokens: Any, limit: Any,
+               max_tokens: int) -> Any:
+    """The decode steps a request waits for a place in the engine's batch (arrays with ``xp`` numpy, one
+    worker's numbers with ``SCALAR_OPS``; 0 where ``limited`` is false: no limit known, or no fresh counts).
+
+    The engine holds ``max(requests, waiting + running)`` requests (its counts with the router's own brought
+    up to now, ``FleetState.engine_view``; the router's in flight when they are more: the larger evidence,
+    never both added), of which ``limit`` run; each one beyond waits for a running one to end. A place frees
+    once per request's decode (``output_tokens`` / ``requests``: the mean ``max_tokens`` of the router's in
+    flight there, this request's own where it has none), ``limit`` places at once: one frees every
+    (its decode) / ``limit``, and this request waits that long for each request ahead of it."""
+    total = xp.maximum(requests, xp.trunc(xp.where(limited, waiting, 0.0)) + xp.trunc(xp.where(limited, running, 0.0)))
+    ahead = xp.maximum(0.0, total - limit)
+    per_request = xp.where(requests > 0, output_tokens / xp.maximum(requests, 1.0), max_tokens)
+    return xp.where(limited, ahead / xp.where(limited, limit, 1.0) * per_request, 0.0)
+
+
 @dataclass(slots=True)
 class Estimate:
-    queue_s: float  # waiting for the prefill ahead of it, and for memory
+    queue_s: float  # waiting for the prefill ahead of it, for a place in the batch and for memory
     prefill_s: float  # its own prefill and load-back
     decode_s: float  # its own decode: max_tokens steps at the KV load it brings
     uncached_tokens: int
@@ -98,6 +123,7 @@ class Estimate:
     # would make busy workers look fast and draw more load to them
     model_ttft_s: float = 0.0
     model_step_s: float = 0.0  # the decode step by the shape alone
+    batch_wait_s: float = 0.0  # the part of ``queue_s`` spent waiting for a place in the engine's batch
 
     @property
     def ttft_s(self) -> float:
@@ -129,6 +155,7 @@ class Estimates:
     step_s: np.ndarray
     model_ttft_s: np.ndarray
     model_step_s: np.ndarray
+    batch_wait_s: np.ndarray
 
     def scores(self, kv_load_weight: float | None = None) -> np.ndarray:
         w = self.kv_load_weight if kv_load_weight is None else kv_load_weight
@@ -138,11 +165,11 @@ class Estimates:
         return Estimate(float(self.queue_s[i]), float(self.prefill_s[i]), float(self.decode_s[i]),
                         int(self.uncached_tokens[i]), float(self.stall_s[i]), float(self.slowdown_s[i]),
                         float(self.eviction_s[i]), self.kv_load_weight, float(self.step_s[i]),
-                        float(self.model_ttft_s[i]), float(self.model_step_s[i]))
+                        float(self.model_ttft_s[i]), float(self.model_step_s[i]), float(self.batch_wait_s[i]))
 
 
 _COLUMNS = ("gpu", "cpu", "storage", "pending", "running", "others_left", "inflight", "cap_blocks", "used", "kv",
-            "new_blocks", "resident", "memory_wait", "ttft_slope", "decode_slope")
+            "new_blocks", "resident", "memory_wait", "ttft_slope", "decode_slope", "slot_steps")
 
 
 class Columns:
@@ -179,7 +206,11 @@ class Columns:
             pending, running, requests = load.pending_prefill_tokens, load.decoding, load.requests
             ours, output, used = requests - running, load.output_tokens, float(load.active_blocks)
         kv = None
+        slots = 0.0
         if metrics is not None:
+            if metrics.waiting is not None and metrics.running is not None and metrics.batch_limit:
+                slots = slot_steps(SCALAR_OPS, True, float(metrics.waiting), float(metrics.running), float(requests),
+                                   float(output), float(metrics.batch_limit), self.max_tokens)
             if metrics.waiting is not None:
                 # the engine's waiting count includes ours (known exactly); only the excess is other routers' work
                 pending += max(0, int(metrics.waiting) - ours) * p.waiting_prompt_tokens
@@ -194,7 +225,7 @@ class Columns:
         prof = costs.profile(worker_id)
         g, c, st = (0, 0, 0) if match is None else (match.gpu, match.cpu, match.storage)
         self.rows.append((g, c, st, pending, running, others_left, max(requests, running), cap, used, kv or 0.0,
-                          new_blocks, resident_tokens, memory_wait_s, prof.ttft.slope, prof.decode.slope))
+                          new_blocks, resident_tokens, memory_wait_s, prof.ttft.slope, prof.decode.slope, slots))
 
 
 @dataclass
@@ -292,6 +323,8 @@ class CostModel:
         ttft = k * model_ttft
         queue_s = k * queue
         prefill_s = ttft - queue_s
+        slot_steps = xp.asarray(cols.slot_steps, dtype=float)
+        batch_wait = slot_steps * d0  # (d0: the decode step the requests there run at now, as fitted)
         stall = running * xp.maximum(0.0, k * own - steps * d0)
         if max_tokens:
             others_left = xp.minimum(others_left, running * max_tokens)  # slowed only while it decodes
@@ -300,9 +333,12 @@ class CostModel:
         overflow = uncached + max_tokens - xp.maximum(0.0, cap * bs - xp.asarray(cols.resident, dtype=float))
         overflow = xp.where(known, xp.maximum(overflow, 0.0), 0.0)
         eviction = share * k * t.prefill_s_array(overflow, budget, 0.0, xp)[0]  # their re-prefill, priced cold
-        return (queue_s + xp.asarray(cols.memory_wait, dtype=float), prefill_s, max_tokens * own_step,
-                uncached, stall, slowdown, eviction, p.kv_load_weight, own_step,
-                xp.where(pending > 0, 0.0, model_ttft), model_own_step)
+        # the memory wait beyond the batch wait: both are for requests there to end
+        queue_total = queue_s + batch_wait + xp.maximum(0.0, xp.asarray(cols.memory_wait, dtype=float) - batch_wait)
+        # the shape's TTFT only where nothing is ahead of it (a queue's estimate is not what the fit learns)
+        model_ttft = xp.where(pending > 0, 0.0, xp.where(slot_steps > 0, 0.0, model_ttft))
+        return (queue_total, prefill_s, max_tokens * own_step, uncached, stall, slowdown, eviction, p.kv_load_weight,
+                own_step, model_ttft, model_own_step, batch_wait)
 
     # ---- learning ---------------------------------------------------------------------------------
     def observe_ttft(self, worker_id: str, model_s: float | None, observed_s: float) -> None:

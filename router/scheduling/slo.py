@@ -12,9 +12,14 @@ Where they come from, in the peers' vocabulary so their clients work unchanged:
 - config gives defaults per model and per tenant (``slo.models``, ``slo.tenants``), so a platform team can state
   an objective for traffic whose clients send nothing.
 
-A client may state its own latency targets but never its priority: priority decides who is shed first, so it
-comes only from the operator's config (an objective named by the header, or the model's or tenant's default).
-A request without any objective keeps the router's behaviour exactly: ``ServiceObjective()`` has no targets.
+A client may only lower what config gives it, never raise it: priority decides who is shed first and who waits,
+so it comes only from the operator's config. The objective config gives a request (its tenant's, else its
+model's, else ``slo.default``) caps what the objective header may name: an objective of equal or lower priority,
+a higher one being refused (``ObjectiveForbidden``, a 403: the client is told, not silently served at another
+priority than it named; a request no config covers may name any objective, as GIE's clients do). A target header
+may tighten the objective's targets, never loosen them (a looser target would have flow control hold the request
+later and the picker shed it later than the operator's objective says). A request without any objective keeps the
+router's behaviour exactly: ``ServiceObjective()`` has no targets.
 
 Attainment follows DistServe and Mooncake: a request meets its objective when its TTFT and its TPOT (the mean
 time per output token after the first) are both within target; a missing target is met; a request that was shed,
@@ -23,7 +28,7 @@ refused or failed meets nothing. Goodput is the rate of requests that met theirs
 
 from __future__ import annotations
 
-import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -33,10 +38,18 @@ OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objecti
 FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
 OBJECTIVE_HEADER_NAMES = frozenset(TTFT_HEADERS + TPOT_HEADERS + OBJECTIVE_HEADERS + FAIRNESS_HEADERS)
 MAX_TARGET_MS = 24 * 3600 * 1000.0  # a target longer than a day is a client's mistake, not an objective
+# a target shorter than a microsecond is no objective either; the bound keeps the target a normal float (5e-324 ms
+# was 0.0 s, a division by zero where a prediction is compared with it), not a judgement of what can be met
+MIN_TARGET_MS = 0.001
+_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")  # milliseconds as written: no sign, exponent or underscore
 
 
 class ObjectiveError(ValueError):
     """A request's objective headers cannot be read: the client gets a 400 naming the header."""
+
+
+class ObjectiveForbidden(ObjectiveError):
+    """The objective header names a higher priority than config gives the request: the client gets a 403."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +60,10 @@ class ServiceObjective:
     tpot_s: float | None = None
     priority: int = 0
     name: str | None = None  # the configured objective it came from, for metrics and /debug/decision
+    # where the request's own target headers changed the targets: the objective config gave it. Flow control
+    # holds such a request whenever either would be held, so a stated target can make it wait earlier, never
+    # later, than the operator's rule for it (a day-long or hopeless target must not skip the queue)
+    configured: ServiceObjective | None = None
 
     @property
     def has_targets(self) -> bool:
@@ -89,14 +106,17 @@ class SloConfig:
 
 
 def parse_target_ms(header: str, text: str) -> float:
-    """A target header's milliseconds as seconds; ObjectiveError for anything but a positive finite number."""
-    try:
-        ms = float(text.strip())
-    except ValueError:
-        raise ObjectiveError(f"{header}: expected milliseconds as a number, got {text[:40]!r}") from None
-    if not math.isfinite(ms) or ms <= 0 or ms > MAX_TARGET_MS:
-        raise ObjectiveError(f"{header}: expected a positive number of milliseconds up to {MAX_TARGET_MS:.0f}, "
-                             f"got {text[:40]!r}")
+    """A target header's milliseconds as seconds; ObjectiveError for anything but a plain decimal number (digits,
+    an optional fraction: Python's ``float`` would also take ``1_000``, ``1e3``, ``inf``, ``+5``) from
+    ``MIN_TARGET_MS`` to ``MAX_TARGET_MS``."""
+    shown = text[:40]
+    text = text.strip()
+    if not _DECIMAL.fullmatch(text):
+        raise ObjectiveError(f"{header}: expected milliseconds as a plain decimal number, got {shown!r}")
+    ms = float(text)
+    if not MIN_TARGET_MS <= ms <= MAX_TARGET_MS:
+        raise ObjectiveError(f"{header}: expected milliseconds from {MIN_TARGET_MS:g} to {MAX_TARGET_MS:.0f}, "
+                             f"got {shown!r}")
     return ms / 1000.0
 
 
@@ -115,30 +135,50 @@ def flow_id(headers: Mapping[str, str], tenant: str | None) -> str | None:
     return tenant if tenant is not None else _header(headers, FAIRNESS_HEADERS)[1]
 
 
+def configured_objective(config: SloConfig, model: str | None = None, tenant: str | None = None) -> str | None:
+    """The objective config gives a request: its tenant's, else its model's, else the default (None: none)."""
+    if tenant is not None and tenant in config.tenants:
+        return config.tenants[tenant]
+    if model is not None and model in config.models:
+        return config.models[model]
+    return config.default
+
+
 def objective_for(headers: Mapping[str, str], config: SloConfig, model: str | None = None,
                   tenant: str | None = None) -> ServiceObjective:
-    """The objective of one request: the named objective (header) or the tenant's, the model's, the default, in
-    that order; then the request's own target headers over that objective's targets. ``headers``' keys are
-    lower-case (or a case-insensitive mapping). An unknown objective name is an ObjectiveError (a 400): a typo
-    must not silently drop a request to the default priority."""
+    """The objective of one request: the one config gives it (``configured_objective``), or the one the objective
+    header names, which may not be of higher priority than that (``ObjectiveForbidden``); then the request's own
+    target headers, each the tighter of itself and that objective's target. ``headers``' keys are lower-case (or
+    a case-insensitive mapping). An unknown objective name is an ObjectiveError (a 400): a typo must not silently
+    drop a request to the default priority."""
+    configured = configured_objective(config, model, tenant)
     header, name = _header(headers, OBJECTIVE_HEADERS)
     if name is not None:
         name = name.strip()
         if name not in config.objectives:
             raise ObjectiveError(f"{header}: no objective named {name[:80]!r}")
-    elif tenant is not None and tenant in config.tenants:
-        name = config.tenants[tenant]
-    elif model is not None and model in config.models:
-        name = config.models[model]
+        cap = config.objectives[configured] if configured is not None else None
+        if cap is not None and config.objectives[name].priority > cap.priority:
+            raise ObjectiveForbidden(
+                f"{header}: objective {name!r} (priority {config.objectives[name].priority}) is above this "
+                f"request's configured objective {configured!r} (priority {cap.priority}); a request may name "
+                f"only an objective of equal or lower priority")
     else:
-        name = config.default
+        name = configured
     base = config.objectives[name] if name is not None else NO_OBJECTIVE
     (ttft_header, ttft), (tpot_header, tpot) = _header(headers, TTFT_HEADERS), _header(headers, TPOT_HEADERS)
     if ttft is None and tpot is None:
         return base
-    return ServiceObjective(parse_target_ms(ttft_header, ttft) if ttft is not None else base.ttft_s,
-                            parse_target_ms(tpot_header, tpot) if tpot is not None else base.tpot_s,
-                            base.priority, base.name)
+    return ServiceObjective(_tighter(parse_target_ms(ttft_header, ttft), base.ttft_s) if ttft is not None
+                            else base.ttft_s,
+                            _tighter(parse_target_ms(tpot_header, tpot), base.tpot_s) if tpot is not None
+                            else base.tpot_s,
+                            base.priority, base.name, base)
+
+
+def _tighter(stated: float, configured: float | None) -> float:
+    """A client's target against the objective's: the tighter one (a request met within it met the other)."""
+    return stated if configured is None else min(stated, configured)
 
 
 def parse_slo_config(raw: Mapping[str, object] | None) -> SloConfig:
@@ -173,6 +213,6 @@ def parse_slo_config(raw: Mapping[str, object] | None) -> SloConfig:
     return SloConfig(objectives, tables["models"], tables["tenants"], None if default is None else str(default))
 
 
-__all__ = ["FAIRNESS_HEADERS", "NO_OBJECTIVE", "OBJECTIVE_HEADERS", "OBJECTIVE_HEADER_NAMES", "TPOT_HEADERS",
-           "TTFT_HEADERS", "ObjectiveError", "ServiceObjective", "SloConfig", "flow_id", "objective_for",
-           "parse_slo_config", "parse_target_ms"]
+__all__ = ["FAIRNESS_HEADERS", "MIN_TARGET_MS", "NO_OBJECTIVE", "OBJECTIVE_HEADERS", "OBJECTIVE_HEADER_NAMES",
+           "TPOT_HEADERS", "TTFT_HEADERS", "ObjectiveError", "ObjectiveForbidden", "ServiceObjective", "SloConfig",
+           "configured_objective", "flow_id", "objective_for", "parse_slo_config", "parse_target_ms"]

@@ -10,11 +10,12 @@ it through the methods here; the scheduler reads it through a per-decision ``Sna
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from router.events.feed import IndexFeeder, WorkerFeed
 from router.index import KvIndex, Medium
 from router.index.speculative import SpeculativePrefixes
-from router.load import EngineMetrics, LoadTracker
+from router.load import BatchLimit, EngineMetrics, LoadTracker
 from router.load.exchange import LoadExchange
 from router.scheduling.columns import FleetColumns
 from router.scheduling.cost import CostModel, CostParams
@@ -47,6 +48,8 @@ class FleetState:
         self.prefill_only: set[str] = set()  # workers whose role is prefill: the fleet is disaggregated if any
         self.metrics: dict[str, EngineMetrics] = {}
         self.cache_tokens: dict[str, int] = {}  # per worker: GPU KV-cache capacity in tokens, when reported
+        # per worker: its batch limit as its scrapes have shown it (``BatchLimit``), once they have shown any
+        self.batch_limits: dict[str, BatchLimit] = {}
         # per worker: the router's own (waiting, running, KV blocks) there when its metrics were scraped, and
         # when the scrape now under way was sent (the engine's counts are taken somewhere between the two)
         self.own_at_scrape: dict[str, tuple[int, int, int]] = {}
@@ -77,6 +80,7 @@ class FleetState:
         self.own_at_scrape.pop(worker_id, None)
         self.own_at_scrape_sent.pop(worker_id, None)
         self.cache_tokens.pop(worker_id, None)
+        self.batch_limits.pop(worker_id, None)
         self.cost.forget(worker_id)
         self.awaiting_events_since.pop(worker_id, None)
 
@@ -96,11 +100,15 @@ class FleetState:
         between two probes without ever failing one: its cache is empty, so its credit ends until its events
         prove its state. What is the router's own in the engine's counts is the larger of its own counts when
         the scrape left (``scrape_sent``) and when it came back: the engine counted somewhere between, and
-        taking the larger never counts one of ours as another router's."""
+        taking the larger never counts one of ours as another router's. The engine's batch limit is learned
+        from its counts (``BatchLimit``); a new process may run with other flags, so it learns anew."""
         prev = self.metrics.get(worker_id)
         if (prev is not None and prev.work_tokens is not None and metrics.work_tokens is not None
                 and metrics.work_tokens < prev.work_tokens):
             self.worker_failed(worker_id, metrics.scraped_at)
+            self.batch_limits.pop(worker_id, None)
+        seen = self.batch_limits.get(worker_id) or BatchLimit()
+        self.batch_limits[worker_id] = seen.seen(metrics, self._budget_bound(worker_id))
         self.metrics[worker_id] = metrics
         self.changed.add(worker_id)
         now_own, sent = self._own_counts(worker_id), self.own_at_scrape_sent.pop(worker_id, None)
@@ -108,6 +116,13 @@ class FleetState:
         if metrics.cache_tokens and self.cache_tokens.get(worker_id) != metrics.cache_tokens:
             self.cache_tokens[worker_id] = metrics.cache_tokens
             self.reuse.set_window(sum(self.cache_tokens.values()) // self.block_size)  # the fleet's cache
+
+    def _budget_bound(self, worker_id: str) -> bool:
+        """Whether the prefill of the router's own requests not yet started on the worker (their uncached
+        tokens: sizes it knows, unlike other routers') fills a step's token budget: requests may then wait
+        there for the budget, not for a place in the batch."""
+        w = self.load.workers.get(worker_id)
+        return w is not None and w.pending_prefill_tokens >= self.cost.params.step_token_budget
 
     def set_healthy(self, worker_id: str, healthy: bool) -> bool:
         """Health as the probes (or requests) found it; returns whether it changed."""
@@ -173,16 +188,19 @@ class FleetState:
 
         The engine may count as running one the router still counts as waiting (its first token is on the
         way): the router's waiting beyond the engine's waiting count are running there, so only the engine's
-        running beyond those and the router's running are another router's."""
+        running beyond those and the router's running are another router's.
+
+        The view carries the engine's batch limit as learned (``batch_limits``): what the objective needs to
+        count the requests there that wait for a place in its batch."""
         if metrics is None:
             return None
+        seen = self.batch_limits.get(worker_id)
+        limit = seen.limit if seen is not None else None
         at = self.own_at_scrape.get(worker_id)
         w = self.load.workers.get(worker_id)
-        if at is None or w is None:
-            return metrics
+        if at is None or w is None or at == (w.requests - w.decoding, w.decoding, w.active_blocks):
+            return metrics if metrics.batch_limit == limit else replace(metrics, batch_limit=limit)
         waiting, running = w.requests - w.decoding, w.decoding
-        if at == (waiting, running, w.active_blocks):
-            return metrics
         m, cap = metrics, self.cache_tokens.get(worker_id)
         kv = m.kv_usage
         if kv is not None and cap:
@@ -192,7 +210,7 @@ class FleetState:
         return EngineMetrics(None if m.waiting is None else max(0.0, m.waiting - at[0]) + waiting,
                              None if m.running is None else max(0.0, m.running - at[1] - started) + running,
                              kv, m.scraped_at, m.cache_tokens, m.work_tokens, m.loras_running, m.loras_waiting,
-                             m.max_loras)
+                             m.max_loras, limit)
 
     def index_state(self, worker_id: str, now: float) -> str:
         """synced | unsynced | unverified | stale | no-events: only 'synced' earns prefix credit.

@@ -48,4 +48,5 @@ class ServesModel(Filter):
             return None
         if ep.role not in ("both", req.role):
             return f"role {ep.role}: not a {req.role} worker"
-        return f"does not serve {'LoRA ' + req.lora if req.lora else 'model ' + str(req.model)}"
+        name = req.lora or str(req.model)  # the client's: cut, or a 5 MB name made each decision's reason 15 MB
+        return f"does not serve {'LoRA ' if req.lora else 'model '}{name[:256] + '...' if len(name) > 256 else name}"

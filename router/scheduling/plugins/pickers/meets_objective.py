@@ -19,6 +19,7 @@ as the peers do.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -81,13 +82,21 @@ class MeetsObjective(MinScore):
 
 
 def violation(objective: ServiceObjective, ttft_s: float, tpot_s: float) -> float:
-    """The larger of prediction / target over the objective's targets (<= 1: predicted to meet both)."""
+    """The larger of prediction / target over the objective's targets (<= 1: predicted to meet both). Safe for
+    any target: one so small that the quotient overflows is infinitely violated, a zero target (no header or
+    config can give one, but a ServiceObjective can be built so) violated by any positive prediction."""
     ratio = 0.0
     if objective.ttft_s is not None:
-        ratio = ttft_s / objective.ttft_s
+        ratio = _over(ttft_s, objective.ttft_s)
     if objective.tpot_s is not None:
-        ratio = max(ratio, tpot_s / objective.tpot_s)
+        ratio = max(ratio, _over(tpot_s, objective.tpot_s))
     return ratio
+
+
+def _over(predicted: float, target: float) -> float:
+    if predicted <= 0.0:
+        return 0.0
+    return predicted / target if target > 0.0 else math.inf
 
 
 def _predicted(cands: Sequence[Candidate]) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from router.scheduling.cost import CostParams, Estimate, Estimates
+from router.scheduling.cost import CostParams, Estimate, Estimates, slot_steps
 from router.scheduling.engine_profile import StepTiming
 from router.scheduling.lora import adapter_cost
 from router.scheduling.masks import all_set, any_set, set_slots
@@ -53,8 +53,9 @@ SCALAR_CANDIDATES = 8
 _REPORTED = ("queue_s", "prefill_s", "decode_s", "ttft_s", "stall_s", "interference_s", "eviction_s", "step_s",
              "model_ttft_s", "model_step_s")
 # the rows ``compiled_price`` writes, one value per candidate: the reports (the queue, TTFT and score before any
-# memory wait), then whether it must wait for memory, how many blocks it lacks room for, and the slowdown term
-OBJECTIVE_ROWS = (*_REPORTED, "score", "need", "over", "slowdown_s")
+# memory wait), then whether it must wait for memory, how many blocks it lacks room for, the slowdown term and
+# the wait for a place in the batch (a memory wait adds only beyond it)
+OBJECTIVE_ROWS = (*_REPORTED, "score", "need", "over", "slowdown_s", "batch_wait_s")
 _ROW = {name: i for i, name in enumerate(OBJECTIVE_ROWS)}
 
 
@@ -234,7 +235,7 @@ def _candidate_columns(snap: Snapshot, match: dict[str, np.ndarray]) -> dict[str
             "active": cols.active_blocks, "pending": cols.pending, "capacity": cols.capacity, "fresh": snap.fresh,
             "waiting": cols.waiting, "running": cols.running, "kv": cols.kv, "gpu": match["matched_gpu"],
             "cpu": match["matched_cpu"], "storage": match["matched_storage"], "output_tokens": cols.output_tokens,
-            "ttft_slope": cols.ttft_slope, "decode_slope": cols.decode_slope}
+            "ttft_slope": cols.ttft_slope, "decode_slope": cols.decode_slope, "batch_limit": cols.batch_limit}
 
 
 def _inputs(xp: Any, c: SimpleNamespace, n_keys: int, tail: int, bs: int, p: CostParams) -> tuple:
@@ -262,14 +263,20 @@ def _inputs(xp: Any, c: SimpleNamespace, n_keys: int, tail: int, bs: int, p: Cos
 
 def _objective_columns(xp: Any, snap: Snapshot, c: SimpleNamespace, pending: Any, running: Any, kv: Any, cap: Any,
                        used: Any, new: Any, resident: Any, wait: Any) -> SimpleNamespace:
-    """What ``CostModel.terms`` reads (``Columns``' names), from ``_inputs``' results and the candidates' own."""
+    """What ``CostModel.terms`` reads (``Columns``' names), from ``_inputs``' results and the candidates' own:
+    the decode steps it waits for a place in the batch where the engine's fresh counts and its batch limit are
+    known (``slot_steps``, ``Columns.add``'s rule)."""
     req = snap.request
+    limited = xp.logical_and(xp.logical_and(c.fresh, c.batch_limit > 0),
+                             xp.logical_and(xp.logical_not(xp.isnan(c.waiting)), xp.logical_not(xp.isnan(c.running))))
     return SimpleNamespace(
         prompt_tokens=req.prompt_tokens, block_size=req.block_size, max_tokens=req.max_tokens, gpu=c.gpu, cpu=c.cpu,
         storage=c.storage, pending=pending, running=running,
         others_left=snap.costs.params.remaining_fraction * c.output_tokens, inflight=xp.maximum(c.requests, running),
         cap_blocks=cap, used=used, kv=kv, new_blocks=new, resident=resident, memory_wait=wait,
-        ttft_slope=c.ttft_slope, decode_slope=c.decode_slope)
+        ttft_slope=c.ttft_slope, decode_slope=c.decode_slope,
+        slot_steps=slot_steps(xp, limited, c.waiting, c.running, c.requests, c.output_tokens, c.batch_limit,
+                              req.max_tokens))
 
 
 def _memory_waits(snap: Snapshot, slots: np.ndarray, blocks: np.ndarray, active: np.ndarray, capacity: np.ndarray
