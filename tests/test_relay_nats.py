@@ -395,9 +395,10 @@ def test_cli_bench_bus_quick_relays_every_stream_exactly_into_both_replicas():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "router.cli", "bench", "bus", "--quick", "--streams", "8", "--json"],
-                         check=True, capture_output=True, text=True, timeout=300).stdout
-    data = json.loads(out)
+    run = subprocess.run([sys.executable, "-m", "router.cli", "bench", "bus", "--quick", "--streams", "8", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout[-4000:], run.stderr[-4000:])  # what was not exact, and why
+    data = json.loads(run.stdout)
     assert data["exact"] and data["streams"] == 8
     for topology in ("bus", "direct"):
         assert data[topology]["exact"] == [True, True] and data[topology]["unsynced"] == [0, 0]
