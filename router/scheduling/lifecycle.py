@@ -77,6 +77,7 @@ class Dispatch:
             self.state.cost.observe_ttft(r.worker_id, report.model_ttft_s, observed - load)
         for p in self.plugins:
             p.on_first_token(r.worker_id, r.predicted_ttft_s, observed, now)
+            p.on_observed(self.request, r.worker_id, report, observed, None, now)
 
     def observed_cached(self, cached_tokens: int, now: float) -> None:
         """The worker's own count of the prompt tokens it found cached. Far fewer than the index promised (more
@@ -103,6 +104,8 @@ class Dispatch:
                 and report is not None):
             step = (now - r.first_token_at) / (output_tokens - 1)
             self.state.cost.observe_step(r.worker_id, report.model_step_s, step)
+            for p in self.plugins:
+                p.on_observed(self.request, r.worker_id, report, None, step, now)
         self._end()
 
     def fail(self, now: float) -> None:

@@ -202,8 +202,10 @@ def builtin_profiles(max_inflight_requests: int | None = 512, max_inflight_token
         # the peers' algorithms as their public code and docs describe them (docs/plugins.md, "Peer profiles")
         "llmd": [*filters, ("llmd-precise-prefix", {}, 2.0), ("llmd-queue", {}, 1.0),
                  ("llmd-kv-utilization", {}, 1.0), ("llmd-lora-affinity", {}, 1.0), ("min-score", {}, 1.0)],
-        # llm-d's predicted-latency routing: its SLO headroom rule on the latency scorer's predictions
-        "llmd_predicted": [*filters, ("latency-cost", {}, 1.0), ("llmd-headroom", {}, 1.0)],
+        # llm-d's predicted-latency routing: its SLO headroom rule on its own kind of predictors (gradient-boosted
+        # trees trained online), the latency scorer's predictions until they have learned
+        "llmd_predicted": [*filters, ("latency-cost", {}, 1.0), ("llmd-latency-predictor", {}, 1.0),
+                           ("llmd-headroom", {}, 1.0)],
         "llmd_affinity": [*filters, ("llmd-prefix-affinity", {}, 1.0), ("llmd-token-load", {}, 1.0),
                           ("llmd-lora-affinity", {}, 1.0), ("min-score", {}, 1.0)],
         "dynamo": [*filters, ("dynamo-cost", {}, 1.0), ("softmax", {"temperature": 0.0}, 1.0)],

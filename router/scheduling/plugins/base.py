@@ -5,7 +5,8 @@ Scores are costs: lower is better (the latency scorers' unit is seconds a user w
 with a ``type_name``, a ``Params`` dataclass of typed parameters (validated from config) and a constructor
 taking them; it sees only the per-decision ``Snapshot``. Hooks: ``on_dispatch`` (a request was sent to a
 worker; return an undo for when the choice is abandoned: a retry elsewhere, a gateway fallback) and
-``on_first_token`` (what the request's first token taught).
+``on_first_token`` (what the request's first token taught), ``on_observed`` (its TTFT and time per output
+token, with the decision's report of its worker).
 
 Each kind has an optional vector form over the snapshot's slots (``Filter.mask``, ``Scorer.score_slots``,
 ``Picker.rank``): the routing core uses it when a plugin has one (the built-ins do), and the per-candidate
@@ -23,7 +24,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from router.scheduling.snapshot import Candidate, Snapshot
-from router.scheduling.types import RouteRequest
+from router.scheduling.types import CandidateReport, RouteRequest
 
 Undo = Callable[[], None]
 
@@ -48,6 +49,12 @@ class Plugin:
 
     def on_first_token(self, worker_id: str, predicted_s: float | None, observed_s: float, now: float) -> None:
         """The first token of a request sent to ``worker_id`` came ``observed_s`` after dispatch."""
+
+    def on_observed(self, req: RouteRequest, worker_id: str, report: CandidateReport | None, ttft_s: float | None,
+                    tpot_s: float | None, now: float) -> None:
+        """What serving ``req`` on ``worker_id`` showed, with the decision's report of that worker (what was known
+        when it was sent): its TTFT from the dispatch at its first token (``tpot_s`` None), or its time per output
+        token after the first at its end (``ttft_s`` None). Where a plugin learns from traffic."""
 
 
 class Filter(Plugin):

@@ -28,6 +28,7 @@ from router.scheduling.plugins.scorers.peer_aibrix_prefix import AibrixPrefixCac
 from router.scheduling.plugins.scorers.peer_dynamo_cost import DynamoCost
 from router.scheduling.plugins.scorers.peer_llmd_affinity import LlmdPrefixAffinity
 from router.scheduling.plugins.scorers.peer_llmd_kv_util import LlmdKvUtilization
+from router.scheduling.plugins.scorers.peer_llmd_latency_predictor import LlmdLatencyPredictor
 from router.scheduling.plugins.scorers.peer_llmd_lora import LlmdLoraAffinity
 from router.scheduling.plugins.scorers.peer_llmd_prefix import LlmdPrecisePrefix
 from router.scheduling.plugins.scorers.peer_llmd_queue import LlmdQueue
@@ -53,7 +54,7 @@ for _cls in (Healthy, NotDraining, InSubset, ServesModel, Admission,
              MinScore, MeetsObjective, RandomPick, RoundRobin, SessionHash,
              # the peers' algorithms (the llmd, llmd_predicted, llmd_affinity, dynamo, aibrix and preble profiles)
              LlmdPrecisePrefix, LlmdQueue, LlmdKvUtilization, LlmdTokenLoad, LlmdPrefixAffinity, LlmdLoraAffinity,
-             DynamoCost, Softmax, AibrixPrefixCache, PrebleE2, LlmdHeadroom):
+             DynamoCost, Softmax, AibrixPrefixCache, PrebleE2, LlmdHeadroom, LlmdLatencyPredictor):
     register(_cls)
 
 

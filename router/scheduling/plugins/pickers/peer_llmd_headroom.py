@@ -1,5 +1,6 @@
 """``llmd-headroom``: llm-d's SLO-aware selection (its ``latency-scorer`` / SLO-aware router, predicted-latency
-routing), on the latency scorer's predictions in place of llm-d's online-trained XGBoost predictors.
+routing), on the candidates' predicted TTFT and TPOT: in the ``llmd_predicted`` profile llm-d's own kind of
+predictors, learned online (``llmd-latency-predictor``), the latency scorer's until they have learned.
 
 llm-d's rule, as its docs and code describe it (``headroomSelectionStrategy``, the headroom weights):
 - without targets, the lowest predicted latency (``ttft_weight`` x TTFT + ``tpot_weight`` x TPOT);
@@ -10,9 +11,9 @@ llm-d's rule, as its docs and code describe it (``headroomSelectionStrategy``, t
 - none positive: a request of negative priority is shed; any other goes to the smallest blended deficit.
 
 Left out, and said: llm-d's prefix-affinity gate with its epsilon-greedy exploration (the ``llmd_predicted``
-profile's TTFT prediction already credits the prefix each worker holds), and its predictors' p90 (ours predict
-the mean; llm-d's ``sloBufferFactor`` 1.0 is the same as none). The rest of the ranking follows by blended
-predicted latency, for the fallbacks.
+profile's predictions already credit the prefix each worker holds), and llm-d's ``sloBufferFactor`` (1.0, its
+default, is the same as none; its predictors' p90 is the learned predictor's ``quantile``). The rest of the
+ranking follows by blended predicted latency, for the fallbacks.
 """
 
 from __future__ import annotations
