@@ -19,9 +19,14 @@ delay and nothing estimated from what was sent:
   requests already hold;
 - eviction: the engine's real resident blocks and capacity (the reuse probability is the router's: it is a
   property of the workload, which no engine knows);
-- memory wait: blocks free in the pool now, less what the requests there still need to reach their last
-  token; when this request does not fit, until enough running requests finish (at the engine's true decode
-  step time), each freeing the blocks only it holds;
+- memory wait, the engine's admission rule (``OracleParams.memory``): its prompt's blocks against the blocks free
+  in the pool now, less what the prompts queued ahead of it and the running prefills still take and the
+  watermark (``CostParams.kv_watermark``); when it does not fit, until enough running requests finish (at the
+  engine's true decode step time), each freeing the blocks only it holds. Its output's blocks come a token at a
+  time, and what decode then lacks preempts the latest request: the objective's preemption term, on the
+  output the requests running there truly have still to generate;
+- the engine's waiting count (the requests its prefill holds up: the objective's ``behind`` term, with the
+  share of what flow control holds) and its ``max_num_seqs`` (the wait for a place in its batch);
 - engine costs: each engine's own timing model and step budget (a half-speed worker is known to be one),
   nothing learned.
 
@@ -47,6 +52,7 @@ from router.scheduling.cost import CostModel, CostParams
 from router.scheduling.engine_profile import StepTiming
 from router.scheduling.plugins.base import Scorer
 from router.scheduling.plugins.registry import REGISTRY, register
+from router.scheduling.plugins.scorers.latency_cost import held_share
 from router.scheduling.profiles import DEFAULT_FILTERS, parse_scheduling
 from router.scheduling.snapshot import Candidate, Snapshot
 from workers.engine import EngineConfig, EngineModel, EngineRequest
@@ -132,17 +138,21 @@ class OracleCost(Scorer):
             raise RuntimeError(f"{TYPE_NAME}: deciding {req.request_id}, the simulation says {r.request_id}")
         bs = req.block_size
         hashes = self.prompt_hashes(r.request_id, tokens, req.max_tokens)
-        views = [self.true_view(c.worker_id, hashes, len(tokens), req.max_tokens) for c in cands]
+        views = [self.true_view(c.worker_id, hashes, len(tokens), req.max_tokens, snap.costs.params.kv_watermark)
+                 for c in cands]
+        held = held_share(snap)
         out = []
         for c, v in zip(cands, views, strict=True):
             cost = self._cost(c.worker_id, snap.costs.params)
             est = cost.estimate(c.worker_id, len(tokens), bs, PrefixMatch(v.gpu_blocks, v.cpu_blocks), v.load,
                                 v.metrics, max_tokens=req.max_tokens, new_blocks=v.new_blocks,
                                 resident_tokens=v.resident_tokens, capacity_tokens=v.capacity_tokens,
-                                memory_wait_s=v.memory_wait_s, reuse=snap.reuse, remaining_tokens=v.remaining_tokens)
+                                memory_wait_s=v.memory_wait_s, reuse=snap.reuse, remaining_tokens=v.remaining_tokens,
+                                held_share=held)
             c.matched_gpu, c.matched_cpu, c.matched_storage, c.speculative = v.gpu_blocks, v.cpu_blocks, 0, 0
             c.queue_s, c.prefill_s, c.decode_s, c.ttft_s = est.queue_s, est.prefill_s, est.decode_s, est.ttft_s
             c.interference_s, c.eviction_s, c.step_s = est.interference_s, est.eviction_s, est.step_s
+            c.behind_s, c.preempt_s = est.behind_s, est.preempt_s
             out.append(est.score)
         return out
 
@@ -163,7 +173,8 @@ class OracleCost(Scorer):
         self._probe = probe  # it is added to an engine next: its hashes are tracked from there
         return list(engine._hashes_upto(probe, (probe.num_tokens - 1) // engine.config.block_size))
 
-    def true_view(self, worker_id: str, hashes: Sequence[int], prompt_tokens: int, max_tokens: int) -> TrueView:
+    def true_view(self, worker_id: str, hashes: Sequence[int], prompt_tokens: int, max_tokens: int,
+                  watermark: float = 0.0) -> TrueView:
         assert self.sim is not None
         engine = self.sim.engines[worker_id]
         pool, bs = engine.pool, engine.config.block_size
@@ -195,14 +206,18 @@ class OracleCost(Scorer):
                 hit += 1
             pending += q.num_tokens - min(hit * bs, q.num_tokens - 1)
             ahead += max(0, -(-(q.prompt_len + q.max_tokens if footprint else q.num_tokens) // bs) - hit)
-        # the decode term counts the engine's running requests, as precise reads vllm:num_requests_running
+        # the decode term counts the engine's running requests, as precise reads vllm:num_requests_running; the
+        # batch wait takes a place freeing once per request's decode (their mean max_tokens)
         load = WorkerLoad(requests=len(engine.running) + len(engine.waiting), pending_prefill_tokens=pending,
-                          decoding=len(engine.running))
+                          decoding=len(engine.running),
+                          output_tokens=sum(q.max_tokens for q in engine.running) + sum(
+                              q.max_tokens for q in engine.waiting))
         need = -(-(prompt_tokens + (max_tokens if footprint else 0)) // bs) - gpu
-        room = pool.num_free - ahead
+        room = pool.num_free - ahead - watermark * pool.num_blocks
         wait = 0.0 if need <= room else self._release_wait(engine, need - room, footprint)
         remaining = sum(q.max_tokens - q.n_out for q in engine.running)
-        metrics = EngineMetrics(None, len(engine.running), pool.usage, 0.0)
+        metrics = EngineMetrics(len(engine.waiting), len(engine.running), pool.usage, 0.0,
+                                batch_limit=engine.config.max_num_seqs)
         in_use = sum(1 for b in gpu_ids if pool.blocks[b].ref_cnt > 0)  # hits shared with requests running there
         new_blocks = max(0, -(-(prompt_tokens + max_tokens) // bs) - in_use)
         return TrueView(gpu, cpu_hits, load, metrics, len(pool.cached) * bs, pool.num_blocks * bs, wait, new_blocks,

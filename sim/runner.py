@@ -161,6 +161,8 @@ class Simulation:
         self.deciding: tuple[SimRequest, np.ndarray] | None = None  # the arrival being decided, for sim plugins
         self.restarts: list[tuple[float, str]] = []  # (time, worker) of each engine restart
         self.flow = FlowQueue(config.flow) if config.flow is not None and config.flow.enabled else None
+        if self.flow is not None:  # what it holds waits behind a choice's prefill (the objective's ``behind``)
+            self.core.state.held_requests = self.flow.__len__
         for plugin in self.core.profile.plugins:  # plugins that read the simulation itself (sim/oracle.py)
             attach = getattr(plugin, "attach_simulation", None)
             if attach is not None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from router.scheduling import columns as fleet_columns
-from router.scheduling.cost import CostModel, CostParams, Estimates
+from router.scheduling.cost import CostModel, CostParams, Estimates, prompt_blocks_to_admit
 from router.scheduling.engine_profile import StepTiming
 from router.scheduling.plugins.scorers import latency_cost
 from router.scheduling.plugins.scorers.latency_cost import OBJECTIVE_ROWS, _inputs, _objective_columns
@@ -43,20 +43,22 @@ def random_columns(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
 
 
 def reference_rows(c: SimpleNamespace, shared: np.ndarray, resident: np.ndarray, request: SimpleNamespace,
-                   tail: int, costs: CostModel, reuse: float, w: float) -> np.ndarray:
+                   tail: int, costs: CostModel, reuse: float, w: float, held: float = 0.0) -> np.ndarray:
     """The rows by the formula in Python, on arrays: what ``score_slots`` computed before it was compiled."""
     c.shared = shared
     n_keys, bs = len(request.keys), request.block_size
-    pending, running, kv, cap, used, new, need, over = _inputs(np, c, n_keys, tail, bs, costs.params)
+    partial = prompt_blocks_to_admit(request.prompt_tokens, n_keys, bs)
+    pending, running, kv, cap, used, new, need, over = _inputs(np, c, n_keys, tail, bs, costs.params, partial)
     snap = SimpleNamespace(request=request, costs=costs)
     known = c.capacity > 0
     arrays = _objective_columns(np, snap, c, pending, running, kv, cap, used, new, np.where(known, resident, 0.0),
-                                np.zeros(len(shared)))
+                                np.zeros(len(shared)), held)
     est = Estimates(*costs.terms(np, arrays, reuse))
     reports = {"queue_s": est.queue_s, "prefill_s": est.prefill_s, "decode_s": est.decode_s,
                "ttft_s": est.queue_s + est.prefill_s, "stall_s": est.stall_s,
                "interference_s": est.stall_s + est.slowdown_s, "eviction_s": est.eviction_s, "step_s": est.step_s,
                "model_ttft_s": est.model_ttft_s, "model_step_s": est.model_step_s, "score": est.scores(w),
+               "behind_s": est.behind_s, "preempt_s": est.preempt_s,
                "need": need.astype(float), "over": over, "slowdown_s": est.slowdown_s,
                "batch_wait_s": est.batch_wait_s}
     return np.array([reports[name] for name in OBJECTIVE_ROWS])
@@ -64,13 +66,14 @@ def reference_rows(c: SimpleNamespace, shared: np.ndarray, resident: np.ndarray,
 
 def compiled_rows(columns: dict[str, np.ndarray], selection: np.ndarray | None, shared: np.ndarray,
                   resident: np.ndarray, request: SimpleNamespace, tail: int, p: CostParams, reuse: float,
-                  w: float) -> np.ndarray:
+                  w: float, held: float = 0.0) -> np.ndarray:
     t = p.timing
     out = np.full((len(OBJECTIVE_ROWS), len(shared)), -1.0)
     price(tuple(columns.values()), selection, shared, resident,
           (len(request.keys), tail, request.block_size, request.prompt_tokens, request.max_tokens),
           (p.waiting_prompt_tokens, p.remaining_fraction, p.step_token_budget, p.storage_ms_per_token, t.prefill_a,
-           t.prefill_b, t.prefill_c, t.decode_a, t.decode_b, t.decode_c, t.load_back_ms_per_token, reuse, w),
+           t.prefill_b, t.prefill_c, t.decode_a, t.decode_b, t.decode_c, t.load_back_ms_per_token, p.kv_watermark,
+           reuse, w, held),
           out, None, 0)
     return out
 
@@ -94,13 +97,15 @@ def test_compiled_rows_equal_the_formula(seed):
     timing = StepTiming(*(rng.uniform(0.5, 1.5, 7) * np.array([4.21e-7, 1.518e-2, 16.5, -25.74, 54.01, 5.74, 1e-3])))
     p = CostParams(step_token_budget=int(rng.choice([1, 512, 8192])), waiting_prompt_tokens=int(rng.choice([0, 2048])),
                    remaining_fraction=float(rng.uniform(0, 1)), storage_ms_per_token=float(rng.uniform(0, 0.01)),
+                   kv_watermark=float(rng.choice([0.0, 0.0, 0.01, 0.1])),
                    **{f: getattr(timing, f) for f in ("prefill_a", "prefill_b", "prefill_c", "decode_a", "decode_b",
                                                      "decode_c", "load_back_ms_per_token")})
     costs = CostModel(p)
     reuse, w = float(rng.uniform(0, 1)), float(rng.choice([0.0, 1.0, 0.3]))
-    got = compiled_rows(columns, slots if select else None, shared, resident, request, tail, p, reuse, w)
+    held = float(rng.choice([0.0, 0.0, 0.25, 3.0]))  # the share of the requests flow control holds
+    got = compiled_rows(columns, slots if select else None, shared, resident, request, tail, p, reuse, w, held)
     want = reference_rows(SimpleNamespace(**{k: v[slots] for k, v in columns.items()}), shared, resident, request,
-                          tail, costs, reuse, w)
+                          tail, costs, reuse, w, held)
     for name, g, e in zip(OBJECTIVE_ROWS, got, want, strict=True):
         np.testing.assert_array_equal(g, e, err_msg=name)
 
@@ -122,10 +127,10 @@ def test_bad_inputs_are_refused_not_read():
         compiled_rows({**columns, "kv": np.zeros(4, dtype=np.float32)}, None, np.zeros(4), np.zeros(4), request, 0,
                       p, 0.5, 1.0)
     with pytest.raises(ValueError):
-        price(tuple(columns.values())[:3], None, np.zeros(4), np.zeros(4), (2, 0, 16, 40, 8), (0.0,) * 13,
+        price(tuple(columns.values())[:3], None, np.zeros(4), np.zeros(4), (2, 0, 16, 40, 8), (0.0,) * 15,
               np.zeros((len(OBJECTIVE_ROWS), 4)), None, 0)
     with pytest.raises(ValueError):  # an output of the wrong shape
-        price(tuple(columns.values()), None, np.zeros(4), np.zeros(4), (2, 0, 16, 40, 8), (0.0,) * 13,
+        price(tuple(columns.values()), None, np.zeros(4), np.zeros(4), (2, 0, 16, 40, 8), (0.0,) * 15,
               np.zeros((3, 4)), None, 0)
 
 
@@ -142,7 +147,7 @@ def test_waits_added_as_the_formula_adds_them():
     waits = rng.uniform(0, 3, len(at))
     latency_cost.compiled_add_waits(out, at, waits, w)
     c = SimpleNamespace(**columns, shared=shared)
-    pending, running, kv, cap, used, new, _, _ = _inputs(np, c, 30, 5, 16, p)
+    pending, running, kv, cap, used, new, _, _ = _inputs(np, c, 30, 5, 16, p, 1)
     wait = np.zeros(50)
     wait[at] = waits
     arrays = _objective_columns(np, SimpleNamespace(request=request, costs=CostModel(p)), c, pending, running, kv,

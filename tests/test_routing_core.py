@@ -83,12 +83,12 @@ def test_a_prefill_step_lasts_at_least_the_decode_step_beside_it():
 
 
 def test_kv_load_prices_its_own_decode_and_the_slowdown_it_brings_to_the_others():
-    """decode step = 10 ms + 100 ms x p (p: KV fraction in use). A 100-block cache, 40 blocks held by 2 requests
-    with 100 tokens of output each (half, 50, still to come on average); this request adds 20 blocks and
-    generates 40 tokens. It decodes beside the others for min(1, 50/40) of its steps: at p = (40 + 20)/100,
-    70 ms a step; its 20 blocks make every step of the others 100 ms x 0.2 = 20 ms longer (50 -> 70 ms), over
-    their 2 x 50 = 100 remaining tokens, but only while it runs: at most 2 x 40 of them. Its 10 ms prefill runs
-    inside one 50 ms decode step: it stalls no one."""
+    """decode step = 10 ms + 100 ms x p (p: KV fraction in use). A 100-block cache, 40 blocks held by 2
+    requests (the engine's kv_usage: 0.4) with 100 tokens of output each (half, 50, still to come on average);
+    this request adds 20 blocks and generates 40 tokens. It decodes beside the others for min(1, 50/40) of its
+    steps: at p = (40 + 20)/100, 70 ms a step; its 20 blocks make every step of the others 100 ms x 0.2 = 20 ms
+    longer (50 -> 70 ms), over their 2 x 50 = 100 remaining tokens, but only while it runs: at most 2 x 40 of
+    them. Its 10 ms prefill runs inside one 50 ms decode step: it stalls no one."""
     cm = CostModel(linear(0.1, decode_ms=10.0, decode_ms_per_p=100.0))
     tracker = LoadTracker()
     for i in range(2):
@@ -98,7 +98,8 @@ def test_kv_load_prices_its_own_decode_and_the_slowdown_it_brings_to_the_others(
     load = tracker.load("a")
     load.tail_blocks = 0  # hold exactly the 40 prompt blocks (their output blocks are not counted here)
     assert load.active_blocks == 40
-    est = cm.estimate("a", 100, BS, None, load, None, max_tokens=40, new_blocks=20, capacity_tokens=100 * BS)
+    est = cm.estimate("a", 100, BS, None, load, EngineMetrics(None, None, 0.4, scraped_at=0.0), max_tokens=40,
+                      new_blocks=20, capacity_tokens=100 * BS)
     assert est.step_s == pytest.approx(0.070)
     assert est.decode_s == pytest.approx(40 * 0.070)
     assert est.prefill_s == pytest.approx(0.050)
@@ -124,9 +125,10 @@ def test_the_trap_a_long_hit_behind_a_3s_queue_loses_to_an_idle_cold_worker():
 
 
 def test_the_holders_decode_batch_makes_a_second_copy_of_a_hot_prefix_worth_its_prefill():
-    """A hot 8K-token prefix: its holder runs 20 requests that share it (KV 55% of 2,000 blocks in use, so every
-    decode step there takes 10 + 100 x 0.55 ms); an idle worker would prefill the 8,192 tokens (0.82 s at 0.1
-    ms a token) but decode 100 tokens at 10 + 100 x 0.26 ms: 2.9 s less, the copy wins."""
+    """A hot 8K-token prefix: its holder runs 20 requests that share it (42% of 2,000 blocks in use now: the
+    prefix, their own blocks and half their output, so every decode step there takes 10 + 100 x 0.42 ms); an
+    idle worker would prefill the 8,192 tokens (0.82 s at 0.1 ms a token) but decode 100 tokens at
+    10 + 100 x 0.26 ms: 1.65 s less, the copy wins."""
     core = RoutingCore(RoutingConfig(block_size=BS, cost=linear(0.1, decode_ms=10.0, decode_ms_per_p=100.0),
                                      seed=0, speculative_ttl_s=0))
     for w in ("holder", "idle"):
@@ -147,9 +149,9 @@ def test_the_holders_decode_batch_makes_a_second_copy_of_a_hot_prefix_worth_its_
     assert by["idle"].step_s == pytest.approx(0.010 + 0.1 * (513 + 7) / 2000)
     assert by["idle"].ttft_s == pytest.approx(0.8208, abs=1e-4)
     # holder: the others have 200 tokens each still to come (more than its 100): it decodes beside all of them,
-    # adding its 1 own prompt block and 7 output blocks
-    assert by["holder"].step_s == pytest.approx(0.010 + 0.1 * (1092 + 8) / 2000)
-    assert by["holder"].decode_s - by["idle"].decode_s == pytest.approx(100 * 0.1 * (1100 - 520) / 2000)
+    # which hold 1,092 - 20 x 200 / 16 = 842 blocks now, adding its 1 own prompt block and 7 output blocks
+    assert by["holder"].step_s == pytest.approx(0.010 + 0.1 * (842 + 8) / 2000)
+    assert by["holder"].decode_s - by["idle"].decode_s == pytest.approx(100 * 0.1 * (850 - 520) / 2000)
     assert d.chosen == "idle"
 
 

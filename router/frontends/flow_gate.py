@@ -56,6 +56,7 @@ class FlowGate:
         self.closed = False  # shutting down (``close``): a request that would wait is shed instead
         if self.queue is not None:
             core.add_release_listener(self._capacity_moved)
+            core.state.held_requests = self.queue.__len__  # they wait behind a choice's prefill (cost.py)
 
     @property
     def waiting(self) -> int:

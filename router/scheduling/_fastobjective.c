@@ -29,7 +29,7 @@ enum { HAS_LOAD, REQUESTS, DECODING, ACTIVE, PENDING, CAPACITY, FRESH, WAITING, 
 
 /* the rows it writes, one value per candidate (``latency_cost.OBJECTIVE_ROWS``) */
 enum { R_QUEUE, R_PREFILL, R_DECODE, R_TTFT, R_STALL, R_INTERFERENCE, R_EVICTION, R_STEP, R_MODEL_TTFT,
-       R_MODEL_STEP, R_SCORE, R_NEED, R_OVER, R_SLOWDOWN, R_BATCH_WAIT, N_ROWS };
+       R_MODEL_STEP, R_BEHIND, R_PREEMPT, R_SCORE, R_NEED, R_OVER, R_SLOWDOWN, R_BATCH_WAIT, N_ROWS };
 
 typedef struct {
     Py_buffer view;
@@ -146,8 +146,8 @@ static inline void add_wait(double *o, Py_ssize_t n, Py_ssize_t k, double wait, 
     const double prefill = o[R_PREFILL * n + k];
     o[R_QUEUE * n + k] = queue;
     o[R_TTFT * n + k] = queue + prefill;
-    o[R_SCORE * n + k] = queue + prefill + o[R_STALL * n + k] + o[R_EVICTION * n + k] +
-                         w * (o[R_DECODE * n + k] + o[R_SLOWDOWN * n + k]);
+    o[R_SCORE * n + k] = queue + prefill + o[R_STALL * n + k] + o[R_EVICTION * n + k] + o[R_BEHIND * n + k] +
+                         w * (o[R_DECODE * n + k] + o[R_SLOWDOWN * n + k] + o[R_PREEMPT * n + k]);
 }
 
 static const char *COLUMN_NAMES[N_COLUMNS] = {
@@ -161,7 +161,7 @@ PyDoc_STRVAR(price_doc,
 "``shared``, ``resident``: float64 by candidate; ``request``: (n_keys, tail, block_size, prompt_tokens,\n"
 "max_tokens); ``params``: (waiting_prompt_tokens, remaining_fraction, step_token_budget,\n"
 "storage_ms_per_token, prefill_a, prefill_b, prefill_c, decode_a, decode_b, decode_c,\n"
-"load_back_ms_per_token, reuse, kv_load_weight). Where a candidate's blocks do not fit (the ``need`` row) and\n"
+"load_back_ms_per_token, kv_watermark, reuse, kv_load_weight, held_share). Where a candidate's blocks do not fit (the ``need`` row) and\n"
 "no more than ``max_calls`` do, ``wait_of(slot, over, active, capacity)`` gives its memory wait, added here;\n"
 "else none is: returns how many candidates need one that was not added (0 or the count).");
 
@@ -169,14 +169,14 @@ static PyObject *price(PyObject *self, PyObject *args) {
     PyObject *columns_o, *sel_o, *shared_o, *resident_o, *out_o, *wait_of;
     Py_ssize_t max_calls, needing = 0;
     long long n_keys, tail, bs, prompt, max_tokens;
-    double wpt, remaining_fraction, budget_in, storage_ms;
+    double wpt, remaining_fraction, budget_in, storage_ms, watermark;
     Timing t;
-    double reuse, w;
-    if (!PyArg_ParseTuple(args, "O!OOO(LLLLL)(ddddddddddddd)OOn", &PyTuple_Type, &columns_o, &sel_o, &shared_o,
+    double reuse, w, held;
+    if (!PyArg_ParseTuple(args, "O!OOO(LLLLL)(ddddddddddddddd)OOn", &PyTuple_Type, &columns_o, &sel_o, &shared_o,
                           &resident_o, &n_keys, &tail, &bs, &prompt, &max_tokens, &wpt, &remaining_fraction,
                           &budget_in, &storage_ms, &t.prefill_a, &t.prefill_b, &t.prefill_c, &t.decode_a,
-                          &t.decode_b, &t.decode_c, &t.load_back_ms_per_token, &reuse, &w, &out_o, &wait_of,
-                          &max_calls))
+                          &t.decode_b, &t.decode_c, &t.load_back_ms_per_token, &watermark, &reuse, &w, &held, &out_o,
+                          &wait_of, &max_calls))
         return NULL;
     if (PyTuple_GET_SIZE(columns_o) != N_COLUMNS) {
         PyErr_Format(PyExc_ValueError, "%d columns expected", N_COLUMNS);
@@ -245,6 +245,9 @@ static PyObject *price(PyObject *self, PyObject *args) {
     const double b = (double)bs, dn_keys = (double)n_keys, dtail = (double)tail;
     const double dprompt = (double)prompt, dmax = (double)max_tokens;
     const double hit_cap = (double)(prompt - 1 > 0 ? prompt - 1 : 0);
+    /* cost.prompt_blocks_to_admit: its partial last prompt block */
+    const long long rest = prompt - n_keys * bs;
+    const double dpartial = (double)(rest > 0 ? (rest + bs - 1) / bs : 0);
 
     for (Py_ssize_t k = 0; k < n; k++) {
         Py_ssize_t j = slots ? (Py_ssize_t)slots[k] : k;
@@ -257,15 +260,19 @@ static PyObject *price(PyObject *self, PyObject *args) {
         const int has_w = fresh && !isnan(waiting_raw), has_r = fresh && !isnan(running_raw);
         const int has_kv = fresh && !isnan(kv_raw);
         const double ours = requests - decoding, limit = C(BATCH_LIMIT);
-        const double pending = C(PENDING) + (has_w ? np_max(0.0, trunc(waiting_raw) - ours) : 0.0) * wpt;
+        const double others = (has_w ? np_max(0.0, trunc(waiting_raw) - ours) : 0.0) * wpt;
+        const double pending = C(PENDING) + others;
         const double running = has_r ? np_max(decoding, trunc(running_raw)) : decoding;
         const double kv = has_kv ? kv_raw : 0.0;
         const double cap = floor_div(capacity, b);
-        const double used = (cap > 0 && has_kv) ? np_max(active, kv * cap) : active;
+        /* cost.blocks_in_use */
+        const double own_used = np_max(0.0, active - remaining_fraction * C(OUTPUT_TOKENS) / b);
+        const double used = (cap > 0 && has_kv) ? kv * cap : own_used;
         const double new_blocks = dn_keys - sh + dtail;
-        const double room = cap - active;
-        const double over = dn_keys - sh + dtail - room;
-        const int need = capacity > 0 && C(HAS_LOAD) != 0.0 && requests > 0 && dn_keys + dtail > room && over > 0;
+        /* cost.admission_lack */
+        const double admit = dn_keys - sh + dpartial;
+        const double over = ceil(admit - (cap - used - ceil(others / b) - watermark * cap));
+        const int need = capacity > 0 && C(HAS_LOAD) != 0.0 && requests > 0 && over > 0;
         /* ---- _objective_columns */
         double others_left = remaining_fraction * C(OUTPUT_TOKENS);
         const double inflight = np_max(np_max(requests, running), 1.0);
@@ -277,6 +284,7 @@ static PyObject *price(PyObject *self, PyObject *args) {
         const double ahead = np_max(0.0, total - limit);
         const double per_request = requests > 0 ? C(OUTPUT_TOKENS) / np_max(requests, 1.0) : dmax;
         const double slot_steps = limited ? ahead / (limited ? limit : 1.0) * per_request : 0.0;
+        const double behind_n = (has_w ? np_max(ours, trunc(waiting_raw)) : ours) + held;
         /* ---- CostModel.terms */
         const double hit = np_min((gpu + cpu + storage) * b, hit_cap);
         const double uncached = dprompt - hit;
@@ -300,12 +308,20 @@ static PyObject *price(PyObject *self, PyObject *args) {
         const double prefill = ttft - queue_s;
         const double batch_wait = slot_steps * d0;
         const double stall = running * np_max(0.0, kk * own - steps * d0);
+        const double final_blocks = used + others_left / b;
         if (max_tokens)
             others_left = np_min(others_left, running * dmax);
         const double slowdown = others_left * (d1 - d0);
         double overflow = uncached + dmax - np_max(0.0, cap * b - res);
         overflow = known ? np_max(overflow, 0.0) : 0.0;
         const double eviction = reuse * kk * prefill_s(&t, overflow, budget, 0.0, NULL);
+        const double alone = pending > 0 ? prefill_s(&t, pending, budget, floor_s, NULL) : 0.0;
+        const double behind = behind_n * (kk * (queue + own - alone + load_back));
+        /* cost.preempt_fraction */
+        const double pover = final_blocks + new_blocks - (cap - watermark * cap);
+        const double chance = known ? np_min(np_max(pover / np_max(new_blocks, 1.0), 0.0), 1.0) : 0.0;
+        const double redo = prefill_s(&t, uncached + remaining_fraction * dmax, budget, floor_s, NULL);
+        const double preempt = chance * (kk * redo);
         /* (the memory wait beyond the batch wait: the caller's, where ``need``) */
         const double queue_total = queue_s + batch_wait + np_max(0.0, 0.0 - batch_wait);
         const double decode = dmax * own_step;
@@ -320,7 +336,9 @@ static PyObject *price(PyObject *self, PyObject *args) {
         o[R_STEP * n + k] = own_step;
         o[R_MODEL_TTFT * n + k] = pending > 0 ? 0.0 : (slot_steps > 0 ? 0.0 : model_ttft);
         o[R_MODEL_STEP * n + k] = model_own_step;
-        o[R_SCORE * n + k] = queue_total + prefill + stall + eviction + w * (decode + slowdown);
+        o[R_BEHIND * n + k] = behind;
+        o[R_PREEMPT * n + k] = preempt;
+        o[R_SCORE * n + k] = queue_total + prefill + stall + eviction + behind + w * (decode + slowdown + preempt);
         o[R_NEED * n + k] = need ? 1.0 : 0.0;
         needing += need;
         o[R_OVER * n + k] = over;

@@ -9,7 +9,9 @@ added (the prompt blocks no request in flight there shares, its partial block an
     stall      = running x (prefill steps - the decode steps they replace)   (its prefill holds every decode there)
     slowdown   = others' remaining output x (step(p1) - step(p0))          (its KV slows their every step)
     eviction   = P(reuse) x prefill(cached tokens it pushes out)            (the fleet pays them again if asked)
-    score      = own TTFT + own decode + stall + slowdown + eviction
+    behind     = requests waiting there x what its prefill adds to theirs   (each of them waits that much longer)
+    preemption = P(its decode runs out of blocks) x its recompute           (the engine preempts the latest first)
+    score      = own TTFT + own decode + stall + slowdown + eviction + behind + preemption
 
 - queue: prefill already sent there and not done (router accounting; the engine's waiting count when it says
   more: other routers feed it too). Engines batch prefill in steps of up to ``step_token_budget`` tokens, so the
@@ -22,8 +24,25 @@ added (the prompt blocks no request in flight there shares, its partial block an
   router/load/metrics.py ``BatchLimit``);
 - a prefill step beside running decodes lasts at least their decode step (``max(prefill, decode)``);
 - GPU hits are free; CPU-tier hits cost a load-back per token, storage-tier hits more;
-- memory wait: when its blocks do not fit beside what the requests in flight hold, until enough of them end;
-  both waits are for requests ending there, so only the memory wait beyond the batch wait adds;
+- memory wait, as the engine admits (workers/engine/engine.py ``_admit``, vLLM's scheduler): a waiting request
+  starts once its prompt's new blocks fit in the blocks free NOW, after those other routers' requests waiting
+  ahead of it take and the engine's watermark (``admission_lack``); the blocks in use now are the engine's own
+  ``kv_usage`` where fresh (brought up to now by ``FleetState.engine_view``), else the router's in-flight
+  prompts and the output they have generated so far (``blocks_in_use``). Not every request's blocks to its
+  last token: a running request grows one token a step, and when decode runs out of blocks the engine preempts
+  the latest request (recompute), which is the preemption term, not a wait. When it lacks blocks, it waits
+  until enough requests in flight end; both waits are for requests ending there, so only the memory wait
+  beyond the batch wait adds;
+- behind: the requests waiting there now (the engine's count with the router's own brought up to now, or the
+  router's own when more; and a share of those flow control holds) each wait for its prefill's compute: what
+  adding its uncached tokens to the prefill queued there costs (``prefill(pending + own) - prefill(pending)``).
+  The count now stands for the count behind it when it runs (a queue leaves behind a departing request, in
+  distribution, what an arriving one finds). So a cache hit's saved compute counts once for itself and once
+  for each request waiting: locality under load follows from the seconds, not from a weight;
+- preemption: the blocks the requests there hold at their last tokens (the larger of their footprint and what
+  is in use now) plus its own beyond the capacity are what decode will lack; the engine preempts the latest
+  admitted first, this request, so the fraction of its blocks that overflow is the chance it is preempted, and
+  it then recomputes its prompt and the output it had (``remaining_fraction`` of it), priced as a prefill;
 - P(reuse): the fraction of evicted blocks the fleet is later asked for again (``ReuseTracker``, learned from
   the events and the requests; a prior until then); the pushed-out tokens are what it stores anew (uncached
   prompt and output) beyond the free room
@@ -68,6 +87,9 @@ class CostParams:
     remaining_fraction: float = 0.5  # of a request in flight's output, the part still to come, on average
     waiting_prompt_tokens: int = 2048  # assumed size of each engine-reported waiting request we did not send
     reuse_prior: float = 0.5  # P(an evicted block is asked for again) until the fleet has shown it
+    # the fraction of the KV blocks an engine keeps free when it admits a request (vLLM v0's watermark, 0.01 by
+    # default); the simulated engine keeps none (workers/engine/engine.py ``_admit``)
+    kv_watermark: float = 0.0
     # how the decode time the KV load decides (its own decode, the slowdown its KV brings the others) counts
     # against the rest: 1, every second alike (the whole latency); 0, TTFT first (docs/benchmarks.md: the
     # sensitivity table; the ``precise_ttft`` profile)
@@ -107,6 +129,43 @@ def slot_steps(xp: Any, limited: Any, waiting: Any, running: Any, requests: Any,
     return xp.where(limited, ahead / xp.where(limited, limit, 1.0) * per_request, 0.0)
 
 
+def blocks_in_use(xp: Any, known_kv: Any, kv: Any, cap: Any, active: Any, output_tokens: Any, block_size: int,
+                  remaining_fraction: float) -> Any:
+    """The KV blocks a worker's requests hold now (arrays with ``xp`` numpy, one worker's numbers with
+    ``SCALAR_OPS``): what the engine admits against. Its own ``kv_usage`` where fresh (``known_kv``: the ground
+    truth, with the router's dispatches and completions since the scrape brought in, ``FleetState.engine_view``);
+    else the router's in-flight footprint (``active``: prompts and every output to its last token) less the
+    output still to come (``remaining_fraction`` of their ``max_tokens``), since a running request holds its
+    prompt and what it has generated so far, not its last token's blocks."""
+    own = xp.maximum(0.0, active - remaining_fraction * output_tokens / block_size)
+    return xp.where(known_kv, kv * cap, own)
+
+
+def admission_lack(xp: Any, cap: Any, used: Any, pending: Any, admit: Any, block_size: int, watermark: float
+                   ) -> Any:
+    """The KV blocks a request lacks to be admitted (whole blocks; <= 0: it is admitted as its turn comes), by the
+    engine's rule
+    (workers/engine/engine.py ``_admit``; vLLM's scheduler): its prompt's new blocks (``admit``: those no request
+    in flight holds, and its partial block; its output's come a token at a time as it decodes) against the blocks
+    free now (capacity less those in use), less what the prompts queued ahead of it and not among those take
+    first (``pending`` tokens: the engine admits in order) and the watermark it keeps free."""
+    return xp.ceil(admit - (cap - used - xp.ceil(pending / block_size) - watermark * cap))
+
+
+def preempt_fraction(xp: Any, known: Any, final: Any, new: Any, cap: Any, watermark: float) -> Any:
+    """The chance its decode is preempted: the blocks the requests there hold at their last tokens (``final``) and
+    its own (``new``) beyond what the engine may fill are what decode runs out of; the engine preempts the latest
+    admitted first, and that is this request, so the fraction of its blocks that overflow (0 with the capacity
+    unknown)."""
+    over = final + new - (cap - watermark * cap)
+    return xp.where(known, xp.minimum(xp.maximum(over / xp.maximum(new, 1.0), 0.0), 1.0), 0.0)
+
+
+def prompt_blocks_to_admit(prompt_tokens: int, n_keys: int, block_size: int) -> int:
+    """A request's partial last prompt block (0 or 1): admitted with its full prompt blocks (``n_keys``)."""
+    return max(0, -(-(prompt_tokens - n_keys * block_size) // block_size))
+
+
 @dataclass(slots=True)
 class Estimate:
     queue_s: float  # waiting for the prefill ahead of it, for a place in the batch and for memory
@@ -124,6 +183,8 @@ class Estimate:
     model_ttft_s: float = 0.0
     model_step_s: float = 0.0  # the decode step by the shape alone
     batch_wait_s: float = 0.0  # the part of ``queue_s`` spent waiting for a place in the engine's batch
+    behind_s: float = 0.0  # what its prefill adds to the wait of the requests waiting there (each of them)
+    preempt_s: float = 0.0  # its expected recompute when decode runs out of blocks there
 
     @property
     def ttft_s(self) -> float:
@@ -136,8 +197,8 @@ class Estimate:
 
     @property
     def score(self) -> float:
-        return (self.queue_s + self.prefill_s + self.stall_s + self.eviction_s
-                + self.kv_load_weight * (self.decode_s + self.slowdown_s))
+        return (self.queue_s + self.prefill_s + self.stall_s + self.eviction_s + self.behind_s
+                + self.kv_load_weight * (self.decode_s + self.slowdown_s + self.preempt_s))
 
 
 @dataclass(slots=True)
@@ -156,20 +217,24 @@ class Estimates:
     model_ttft_s: np.ndarray
     model_step_s: np.ndarray
     batch_wait_s: np.ndarray
+    behind_s: np.ndarray
+    preempt_s: np.ndarray
 
     def scores(self, kv_load_weight: float | None = None) -> np.ndarray:
         w = self.kv_load_weight if kv_load_weight is None else kv_load_weight
-        return self.queue_s + self.prefill_s + self.stall_s + self.eviction_s + w * (self.decode_s + self.slowdown_s)
+        return (self.queue_s + self.prefill_s + self.stall_s + self.eviction_s + self.behind_s
+                + w * (self.decode_s + self.slowdown_s + self.preempt_s))
 
     def row(self, i: int) -> Estimate:
         return Estimate(float(self.queue_s[i]), float(self.prefill_s[i]), float(self.decode_s[i]),
                         int(self.uncached_tokens[i]), float(self.stall_s[i]), float(self.slowdown_s[i]),
                         float(self.eviction_s[i]), self.kv_load_weight, float(self.step_s[i]),
-                        float(self.model_ttft_s[i]), float(self.model_step_s[i]), float(self.batch_wait_s[i]))
+                        float(self.model_ttft_s[i]), float(self.model_step_s[i]), float(self.batch_wait_s[i]),
+                        float(self.behind_s[i]), float(self.preempt_s[i]))
 
 
 _COLUMNS = ("gpu", "cpu", "storage", "pending", "running", "others_left", "inflight", "cap_blocks", "used", "kv",
-            "new_blocks", "resident", "memory_wait", "ttft_slope", "decode_slope", "slot_steps")
+            "new_blocks", "resident", "memory_wait", "ttft_slope", "decode_slope", "slot_steps", "behind")
 
 
 class Columns:
@@ -197,35 +262,65 @@ class Columns:
 
     def add(self, costs: CostModel, worker_id: str, match: PrefixMatch | None, load: WorkerLoad | None,
             metrics: EngineMetrics | None, new_blocks: int, resident_tokens: int, capacity_tokens: int | None,
-            memory_wait_s: float, remaining_tokens: float | None = None) -> None:
+            memory_wait_s: float, remaining_tokens: float | None = None, held_share: float = 0.0) -> None:
         p = costs.params
-        if load is None:
-            pending = running = requests = ours = output = 0
-            used = 0.0
-        else:
-            pending, running, requests = load.pending_prefill_tokens, load.decoding, load.requests
-            ours, output, used = requests - running, load.output_tokens, float(load.active_blocks)
-        kv = None
-        slots = 0.0
-        if metrics is not None:
-            if metrics.waiting is not None and metrics.running is not None and metrics.batch_limit:
-                slots = slot_steps(SCALAR_OPS, True, float(metrics.waiting), float(metrics.running), float(requests),
-                                   float(output), float(metrics.batch_limit), self.max_tokens)
-            if metrics.waiting is not None:
-                # the engine's waiting count includes ours (known exactly); only the excess is other routers' work
-                pending += max(0, int(metrics.waiting) - ours) * p.waiting_prompt_tokens
-            if metrics.running is not None:
-                running = max(running, int(metrics.running))  # running includes ours: the larger count wins
-            kv = metrics.kv_usage
+        w = worker_numbers(p, load, metrics, self.max_tokens, capacity_tokens, self.block_size)
         # over its decode, the requests there now end as it runs (``remaining_fraction`` of theirs to come)
-        others_left = p.remaining_fraction * output if remaining_tokens is None else remaining_tokens
-        cap = capacity_tokens // self.block_size if capacity_tokens else 0
-        if cap and kv is not None:
-            used = max(used, kv * cap)  # the engine's own view (other routers too)
+        others_left = p.remaining_fraction * w.output if remaining_tokens is None else remaining_tokens
         prof = costs.profile(worker_id)
         g, c, st = (0, 0, 0) if match is None else (match.gpu, match.cpu, match.storage)
-        self.rows.append((g, c, st, pending, running, others_left, max(requests, running), cap, used, kv or 0.0,
-                          new_blocks, resident_tokens, memory_wait_s, prof.ttft.slope, prof.decode.slope, slots))
+        self.rows.append((g, c, st, w.pending, w.running, others_left, max(w.requests, w.running), w.cap, w.used,
+                          w.kv, new_blocks, resident_tokens, memory_wait_s, prof.ttft.slope, prof.decode.slope,
+                          w.slots, w.waiting + held_share))
+
+
+@dataclass(slots=True)
+class WorkerNumbers:
+    """What the objective reads of one worker's load and fresh metrics (``worker_numbers``)."""
+
+    pending: float  # prefill tokens queued there: the router's own, and other routers' waiting requests
+    others: float  # of those, other routers' (their prompts are not in ``used``)
+    running: float
+    requests: float  # the router's own in flight
+    output: float  # their max_tokens
+    active: float  # the blocks the router's own hold at their last tokens
+    cap: float  # KV capacity in blocks (0: unknown)
+    used: float  # blocks in use now (``blocks_in_use``)
+    kv: float
+    slots: float  # decode steps it waits for a place in the batch (``slot_steps``)
+    waiting: float  # requests waiting there: the engine's count or the router's own, the larger
+
+
+def worker_numbers(p: CostParams, load: WorkerLoad | None, metrics: EngineMetrics | None, max_tokens: int,
+                   capacity_tokens: int | None, block_size: int) -> WorkerNumbers:
+    """One worker's numbers as the objective reads them (``latency_cost._inputs``' rules, for one worker): the
+    router's accounting with the engine's fresh counts where they say more (other routers feed it too)."""
+    if load is None:
+        pending = running = requests = ours = output = 0
+        active = 0.0
+    else:
+        pending, running, requests = load.pending_prefill_tokens, load.decoding, load.requests
+        ours, output, active = requests - running, load.output_tokens, float(load.active_blocks)
+    kv = None
+    slots = 0.0
+    waiting = ours
+    others = 0
+    if metrics is not None:
+        if metrics.waiting is not None and metrics.running is not None and metrics.batch_limit:
+            slots = slot_steps(SCALAR_OPS, True, float(metrics.waiting), float(metrics.running), float(requests),
+                               float(output), float(metrics.batch_limit), max_tokens)
+        if metrics.waiting is not None:
+            # the engine's waiting count includes ours (known exactly); only the excess is other routers' work
+            others = max(0, int(metrics.waiting) - ours) * p.waiting_prompt_tokens
+            pending += others
+            waiting = max(ours, int(metrics.waiting))
+        if metrics.running is not None:
+            running = max(running, int(metrics.running))  # running includes ours: the larger count wins
+        kv = metrics.kv_usage
+    cap = capacity_tokens // block_size if capacity_tokens else 0
+    used = blocks_in_use(SCALAR_OPS, cap > 0 and kv is not None, kv or 0.0, float(cap), active, float(output),
+                         block_size, p.remaining_fraction)
+    return WorkerNumbers(pending, others, running, requests, output, active, cap, used, kv or 0.0, slots, waiting)
 
 
 @dataclass
@@ -268,17 +363,27 @@ class CostModel:
                  load: WorkerLoad | None, metrics: EngineMetrics | None, *, max_tokens: int = 0,
                  new_blocks: int = 0, resident_tokens: int = 0, capacity_tokens: int | None = None,
                  memory_wait_s: float = 0.0, reuse: float | None = None,
-                 remaining_tokens: float | None = None) -> Estimate:
+                 remaining_tokens: float | None = None, held_share: float = 0.0) -> Estimate:
         """One candidate's terms (``estimate_many`` of one). ``new_blocks``: the KV blocks this request adds
         there (its prompt blocks no request in flight shares, its partial block and output); ``resident_tokens``
         / ``capacity_tokens``: what the GPU cache holds (by the index) and can hold (None: unknown, so no
         eviction or KV-load term); ``memory_wait_s``: until requests in flight free room for its blocks;
         ``reuse``: P(an evicted block is asked for again); ``remaining_tokens``: the output the requests there
-        have still to generate, when known (else ``remaining_fraction`` of theirs)."""
+        have still to generate, when known (else ``remaining_fraction`` of theirs); ``held_share``: the requests
+        flow control holds that would wait behind it there."""
         cols = Columns(prompt_tokens, block_size, max_tokens)
         cols.add(self, worker_id, match, load, metrics, new_blocks, resident_tokens, capacity_tokens, memory_wait_s,
-                 remaining_tokens)
+                 remaining_tokens, held_share)
         return self.estimate_many(cols, reuse).row(0)
+
+    def memory_lack(self, prompt_tokens: int, n_keys: int, shared: int, block_size: int, load: WorkerLoad | None,
+                    metrics: EngineMetrics | None, capacity_tokens: int | None) -> float:
+        """The KV blocks a request lacks to be admitted on a worker now (``admission_lack`` on the worker's numbers;
+        <= 0: none): ``n_keys`` full prompt blocks of which ``shared`` a request in flight there holds."""
+        w = worker_numbers(self.params, load, metrics, 0, capacity_tokens, block_size)
+        admit = n_keys - shared + prompt_blocks_to_admit(prompt_tokens, n_keys, block_size)
+        return admission_lack(SCALAR_OPS, float(w.cap), w.used, float(w.others), float(admit), block_size,
+                              self.params.kv_watermark)
 
     def estimate_many(self, cols: Columns, reuse: float | None = None) -> Estimates:
         """Every candidate's terms at once (numpy over the candidates: a decision over a thousand workers costs
@@ -326,6 +431,8 @@ class CostModel:
         slot_steps = xp.asarray(cols.slot_steps, dtype=float)
         batch_wait = slot_steps * d0  # (d0: the decode step the requests there run at now, as fitted)
         stall = running * xp.maximum(0.0, k * own - steps * d0)
+        # what the requests there will hold at their last tokens: those in use now and the output still to come
+        final = used + others_left / bs
         if max_tokens:
             others_left = xp.minimum(others_left, running * max_tokens)  # slowed only while it decodes
         slowdown = others_left * (d1 - d0)
@@ -333,12 +440,19 @@ class CostModel:
         overflow = uncached + max_tokens - xp.maximum(0.0, cap * bs - xp.asarray(cols.resident, dtype=float))
         overflow = xp.where(known, xp.maximum(overflow, 0.0), 0.0)
         eviction = share * k * t.prefill_s_array(overflow, budget, 0.0, xp)[0]  # their re-prefill, priced cold
+        # each request waiting there waits for what its prefill (and load-back) adds to the prefill queued there
+        alone = xp.where(pending > 0, t.prefill_s_array(pending, budget, floor, xp)[0], 0.0)
+        behind = xp.asarray(cols.behind, dtype=float) * (k * (queue + own - alone + load_back))
+        # decode running out of blocks preempts it (the latest admitted): its prompt and the output it had, again
+        chance = preempt_fraction(xp, known, final, new, cap, p.kv_watermark)
+        redo = t.prefill_s_array(uncached + p.remaining_fraction * max_tokens, budget, floor, xp)[0]
+        preempt = chance * (k * redo)
         # the memory wait beyond the batch wait: both are for requests there to end
         queue_total = queue_s + batch_wait + xp.maximum(0.0, xp.asarray(cols.memory_wait, dtype=float) - batch_wait)
         # the shape's TTFT only where nothing is ahead of it (a queue's estimate is not what the fit learns)
         model_ttft = xp.where(pending > 0, 0.0, xp.where(slot_steps > 0, 0.0, model_ttft))
         return (queue_total, prefill_s, max_tokens * own_step, uncached, stall, slowdown, eviction, p.kv_load_weight,
-                own_step, model_ttft, model_own_step, batch_wait)
+                own_step, model_ttft, model_own_step, batch_wait, behind, preempt)
 
     # ---- learning ---------------------------------------------------------------------------------
     def observe_ttft(self, worker_id: str, model_s: float | None, observed_s: float) -> None:

@@ -355,20 +355,16 @@ class Snapshot:
         return out
 
     def memory_wait_s(self, cand: Candidate, decode_step_s: float) -> float:
-        """Until the requests in flight there free room for this request's KV blocks; 0 if they fit now."""
+        """Until the requests in flight there free the blocks this request lacks to be admitted (the engine's
+        rule, ``CostModel.memory_lack``: its prompt's new blocks against those free now); 0 if it has them."""
         req, load, capacity = self.request, cand.load, cand.capacity_tokens
         if not capacity or load is None or not load.requests:
             return 0.0
-        # its prompt blocks no request in flight holds, and its partial block and output: engines admit on
-        # what is free now, but a cache that cannot hold every request to its last token preempts (recompute)
-        tail, n = self.tail, len(req.keys)
-        room = capacity // req.block_size - load.active_blocks
-        if n + tail <= room:
-            return 0.0  # fits even without the blocks it shares with requests in flight
-        over = n - load.shared_prefix_blocks(req.keys) + tail - room
+        over = self.costs.memory_lack(req.prompt_tokens, len(req.keys), load.shared_prefix_blocks(req.keys),
+                                      req.block_size, load, cand.metrics, capacity)
         if over <= 0:
             return 0.0
-        return self._state.load.release_wait_s(cand.worker_id, over, self.now, decode_step_s)
+        return self._state.load.release_wait_s(cand.worker_id, int(over), self.now, decode_step_s)
 
 
 def _positions(slots: np.ndarray) -> Callable[[int], int | None]:

@@ -60,6 +60,9 @@ class FleetState:
         self.columns = FleetColumns(self)  # the per-worker facts a decision reads, as arrays
         self.loras = LoraResidency()  # the LoRA adapters each worker holds (router/scheduling/lora.py)
         self.adapter_loads = AdapterLoads(self.cost.params.lora_load_ms / 1000.0)  # and how long a load takes
+        # how many requests flow control holds now (its owner sets this: router/frontends/flow_gate.py, the
+        # simulator): each would wait behind a choice's prefill somewhere (the objective's ``behind`` term)
+        self.held_requests: Callable[[], int] = _none_held
 
     # ---- writes ------------------------------------------------------------------------------
     def upsert_endpoint(self, ep: Endpoint) -> None:
@@ -190,6 +193,12 @@ class FleetState:
         way): the router's waiting beyond the engine's waiting count are running there, so only the engine's
         running beyond those and the router's running are another router's.
 
+        The KV in use is the engine's at the scrape with what the router's own have taken (dispatches) or freed
+        (completions) since, each at its footprint: the engine's figure is the ground truth of the blocks in use
+        now, which its own requests' footprints (every output to its last token) are not. (Before, the router's
+        footprint at the scrape was taken off and the present one added back, so a worker whose requests hold
+        far less now than at their ends read as full as their footprints: issue 51.)
+
         The view carries the engine's batch limit as learned (``batch_limits``): what the objective needs to
         count the requests there that wait for a place in its batch."""
         if metrics is None:
@@ -205,7 +214,7 @@ class FleetState:
         kv = m.kv_usage
         if kv is not None and cap:
             blocks = cap // self.block_size
-            kv = min(1.0, (max(0.0, kv * blocks - at[2]) + w.active_blocks) / blocks)
+            kv = min(1.0, max(0.0, kv * blocks + (w.active_blocks - at[2])) / blocks)
         started = max(0.0, at[0] - m.waiting) if m.waiting is not None else 0.0  # ours waiting here, running there
         return EngineMetrics(None if m.waiting is None else max(0.0, m.waiting - at[0]) + waiting,
                              None if m.running is None else max(0.0, m.running - at[1] - started) + running,
@@ -255,3 +264,8 @@ class FleetState:
             if self.fresh_metrics(ep.worker_id, now) is None:
                 return False, f"{ep.worker_id}: no engine metrics within {self.metrics_max_age_s} s"
         return True, "ready"
+
+
+def _none_held() -> int:
+    """No flow control: nothing is held."""
+    return 0

@@ -86,6 +86,8 @@ class CandidateReport:
     model_step_s: float = 0.0
     adapter_load_s: float = 0.0  # the LoRA adapter's load priced there (router/scheduling/lora.py; 0: none, or
     # one that would also wait for a slot)
+    behind_s: float = 0.0  # the wait its prefill adds to the requests waiting there, all of them together
+    preempt_s: float = 0.0  # its expected recompute, should decode there run out of KV blocks (cost.py)
     score: float = 0.0
     inflight: int = 0
 

@@ -20,7 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from router.scheduling.cost import CostParams, Estimate, Estimates, slot_steps
+from router.scheduling.cost import (
+    CostParams,
+    Estimate,
+    Estimates,
+    admission_lack,
+    blocks_in_use,
+    prompt_blocks_to_admit,
+    slot_steps,
+)
 from router.scheduling.engine_profile import StepTiming
 from router.scheduling.lora import adapter_cost
 from router.scheduling.masks import all_set, any_set, set_slots
@@ -51,7 +59,7 @@ SCALAR_WAITS = 32
 SCALAR_CANDIDATES = 8
 
 _REPORTED = ("queue_s", "prefill_s", "decode_s", "ttft_s", "stall_s", "interference_s", "eviction_s", "step_s",
-             "model_ttft_s", "model_step_s")
+             "model_ttft_s", "model_step_s", "behind_s", "preempt_s")
 # the rows ``compiled_price`` writes, one value per candidate: the reports (the queue, TTFT and score before any
 # memory wait), then whether it must wait for memory, how many blocks it lacks room for, the slowdown term and
 # the wait for a place in the batch (a memory wait adds only beyond it)
@@ -132,13 +140,15 @@ class LatencyCost(Scorer):
         snap.set_reports(slots, queue_s=est.queue_s, prefill_s=est.prefill_s, decode_s=est.decode_s,
                          ttft_s=est.queue_s + est.prefill_s, stall_s=est.stall_s,
                          interference_s=est.stall_s + est.slowdown_s, eviction_s=est.eviction_s, step_s=est.step_s,
-                         model_ttft_s=est.model_ttft_s, model_step_s=est.model_step_s)
+                         model_ttft_s=est.model_ttft_s, model_step_s=est.model_step_s, behind_s=est.behind_s,
+                         preempt_s=est.preempt_s)
         return est.scores(self.params.kv_load_weight)
 
     def _priced_at_once(self, snap: Snapshot, slots: np.ndarray, c: SimpleNamespace) -> Estimates:
         req, costs = snap.request, snap.costs
         bs, n_keys, tail = req.block_size, len(req.keys), snap.tail
-        pending, running, kv, cap, used, new, need, over = _inputs(np, c, n_keys, tail, bs, costs.params)
+        pending, running, kv, cap, used, new, need, over = _inputs(np, c, n_keys, tail, bs, costs.params,
+                                                                   _partial(req))
         # memory wait: only where its blocks do not fit beside what the requests in flight hold
         wait = np.zeros(len(slots))
         if any_set(need):
@@ -148,7 +158,7 @@ class LatencyCost(Scorer):
         resident = np.zeros(len(slots))
         if any_set(known):
             resident[known] = snap.resident_blocks(slots[known]) * snap._state.block_size
-        arrays = _objective_columns(np, snap, c, pending, running, kv, cap, used, new, resident, wait)
+        arrays = _objective_columns(np, snap, c, pending, running, kv, cap, used, new, resident, wait, held_share(snap))
         return costs.estimate_many(arrays, snap.reuse)  # type: ignore[arg-type]
 
     def _priced_compiled(self, snap: Snapshot, slots: np.ndarray) -> np.ndarray:
@@ -167,7 +177,8 @@ class LatencyCost(Scorer):
             tuple(_candidate_columns(snap, snap.match_arrays()).values()), slots, snap.shared_prefix_blocks(slots),
             snap.resident_blocks(slots) * snap._state.block_size,
             (len(req.keys), snap.tail, req.block_size, req.prompt_tokens, req.max_tokens),
-            (*_compiled_params(p), p.reuse_prior if reuse is None else reuse, w), out, wait_of, SCALAR_WAITS)
+            (*_compiled_params(p), p.reuse_prior if reuse is None else reuse, w, held_share(snap)), out, wait_of,
+            SCALAR_WAITS)
         if left:
             at = set_slots(out[_ROW["need"]] > 0)
             need, cols = slots[at], snap.cols
@@ -184,6 +195,7 @@ class LatencyCost(Scorer):
         req, costs = snap.request, snap.costs
         p = costs.params
         bs, n_keys, tail, reuse = req.block_size, len(req.keys), snap.tail, snap.reuse
+        partial, held = _partial(req), held_share(snap)
         sel = _selection(snap, slots)
         at = slots.tolist()
         named = _candidate_columns(snap, snap.match_arrays())
@@ -196,10 +208,12 @@ class LatencyCost(Scorer):
         one = SimpleNamespace()
         for i, values in zip(at, zip(*columns, strict=True), strict=True):
             one.__dict__.update(zip(names, values, strict=True))
-            pending, running, kv, cap, used, new, need, over = _inputs(SCALAR_OPS, one, n_keys, tail, bs, p)
+            pending, running, kv, cap, used, new, need, over = _inputs(SCALAR_OPS, one, n_keys, tail, bs, p,
+                                                                       partial)
             wait = _release_wait_s(snap, i, over, one.active, one.capacity) if need else 0.0
             resident = float(state.resident_tokens(ids[i])) if one.capacity > 0 else 0.0
-            one_row = _objective_columns(SCALAR_OPS, snap, one, pending, running, kv, cap, used, new, resident, wait)
+            one_row = _objective_columns(SCALAR_OPS, snap, one, pending, running, kv, cap, used, new, resident, wait,
+                                         held)
             est = Estimate(*costs.terms(SCALAR_OPS, one_row, reuse))  # type: ignore[arg-type]
             est.kv_load_weight = w  # (the scorer's own weight, as ``Estimates.scores(w)`` takes it)
             priced.append(est)
@@ -217,7 +231,7 @@ def _compiled_params(p: CostParams) -> tuple[float, ...]:
         t = p.timing
         _compiled_params_of[:] = [p, (p.waiting_prompt_tokens, p.remaining_fraction, p.step_token_budget,
                                       p.storage_ms_per_token, t.prefill_a, t.prefill_b, t.prefill_c, t.decode_a,
-                                      t.decode_b, t.decode_c, t.load_back_ms_per_token)]
+                                      t.decode_b, t.decode_c, t.load_back_ms_per_token, p.kv_watermark)]
     return _compiled_params_of[1]
 
 
@@ -238,37 +252,57 @@ def _candidate_columns(snap: Snapshot, match: dict[str, np.ndarray]) -> dict[str
             "ttft_slope": cols.ttft_slope, "decode_slope": cols.decode_slope, "batch_limit": cols.batch_limit}
 
 
-def _inputs(xp: Any, c: SimpleNamespace, n_keys: int, tail: int, bs: int, p: CostParams) -> tuple:
+def _partial(req: Any) -> int:
+    """The request's partial last prompt block (0 or 1), admitted with its full ones."""
+    return prompt_blocks_to_admit(req.prompt_tokens, len(req.keys), req.block_size)
+
+
+def held_share(snap: Snapshot) -> float:
+    """The requests flow control holds, as many as would wait behind this one on each worker: an even share of
+    them (``FleetState.held_requests``)."""
+    held = snap._state.held_requests()
+    return held / snap.size if held and snap.size else 0.0
+
+
+def _inputs(xp: Any, c: SimpleNamespace, n_keys: int, tail: int, bs: int, p: CostParams, partial: int) -> tuple:
     """What the objective reads of the candidates ``c`` holds (arrays with ``xp`` numpy, one candidate's numbers
     with ``SCALAR_OPS``): pending prefill tokens, running requests and KV use with the engine's counts where its
-    metrics are fresh (``Columns.add``'s rules), the capacity and use in blocks, the blocks this request adds,
-    whether it must wait for memory and how many blocks it lacks room for."""
+    metrics are fresh (``Columns.add``'s rules), the capacity and the blocks in use now (``blocks_in_use``), the
+    blocks this request adds, whether it must wait for memory to be admitted and how many blocks it lacks
+    (``admission_lack``: its prompt's new blocks, ``partial`` its partial last block, against those free now and
+    the prompts of other routers' requests waiting there; the router's own are in the blocks in use already)."""
     has_w = xp.logical_and(c.fresh, xp.logical_not(xp.isnan(c.waiting)))
     has_r = xp.logical_and(c.fresh, xp.logical_not(xp.isnan(c.running)))
     has_kv = xp.logical_and(c.fresh, xp.logical_not(xp.isnan(c.kv)))
     ours = c.requests - c.decoding
-    pending = c.pending + xp.where(has_w, xp.maximum(0.0, xp.trunc(xp.where(has_w, c.waiting, 0.0)) - ours), 0.0) \
+    # other routers' requests waiting there: their prompts are not in the blocks in use, and go first
+    others = xp.where(has_w, xp.maximum(0.0, xp.trunc(xp.where(has_w, c.waiting, 0.0)) - ours), 0.0) \
         * p.waiting_prompt_tokens
+    pending = c.pending + others
     running = xp.where(has_r, xp.maximum(c.decoding, xp.trunc(xp.where(has_r, c.running, 0.0))), c.decoding)
     kv = xp.where(has_kv, c.kv, 0.0)
     cap = xp.floor_divide(c.capacity, bs)
-    used = xp.where(xp.logical_and(cap > 0, has_kv), xp.maximum(c.active, kv * cap), c.active)
+    used = blocks_in_use(xp, xp.logical_and(cap > 0, has_kv), kv, cap, c.active, c.output_tokens, bs,
+                         p.remaining_fraction)
     new = n_keys - c.shared + tail
-    room = cap - c.active
-    over = n_keys - c.shared + tail - room
+    over = admission_lack(xp, cap, used, others, n_keys - c.shared + partial, bs, p.kv_watermark)
     waits = xp.logical_and(xp.logical_and(c.capacity > 0, c.has_load), c.requests > 0)
-    need = xp.logical_and(xp.logical_and(waits, n_keys + tail > room), over > 0)
+    need = xp.logical_and(waits, over > 0)
     return pending, running, kv, cap, used, new, need, over
 
 
 def _objective_columns(xp: Any, snap: Snapshot, c: SimpleNamespace, pending: Any, running: Any, kv: Any, cap: Any,
-                       used: Any, new: Any, resident: Any, wait: Any) -> SimpleNamespace:
+                       used: Any, new: Any, resident: Any, wait: Any, held: float = 0.0) -> SimpleNamespace:
     """What ``CostModel.terms`` reads (``Columns``' names), from ``_inputs``' results and the candidates' own:
     the decode steps it waits for a place in the batch where the engine's fresh counts and its batch limit are
-    known (``slot_steps``, ``Columns.add``'s rule)."""
+    known (``slot_steps``, ``Columns.add``'s rule), and the requests waiting there (the engine's count or the
+    router's own, the larger) with ``held``, the share of those flow control holds (``held_share``)."""
     req = snap.request
     limited = xp.logical_and(xp.logical_and(c.fresh, c.batch_limit > 0),
                              xp.logical_and(xp.logical_not(xp.isnan(c.waiting)), xp.logical_not(xp.isnan(c.running))))
+    has_w = xp.logical_and(c.fresh, xp.logical_not(xp.isnan(c.waiting)))
+    ours = c.requests - c.decoding
+    waiting = xp.where(has_w, xp.maximum(ours, xp.trunc(xp.where(has_w, c.waiting, 0.0))), ours)
     return SimpleNamespace(
         prompt_tokens=req.prompt_tokens, block_size=req.block_size, max_tokens=req.max_tokens, gpu=c.gpu, cpu=c.cpu,
         storage=c.storage, pending=pending, running=running,
@@ -276,7 +310,7 @@ def _objective_columns(xp: Any, snap: Snapshot, c: SimpleNamespace, pending: Any
         cap_blocks=cap, used=used, kv=kv, new_blocks=new, resident=resident, memory_wait=wait,
         ttft_slope=c.ttft_slope, decode_slope=c.decode_slope,
         slot_steps=slot_steps(xp, limited, c.waiting, c.running, c.requests, c.output_tokens, c.batch_limit,
-                              req.max_tokens))
+                              req.max_tokens), behind=waiting + held)
 
 
 def _memory_waits(snap: Snapshot, slots: np.ndarray, blocks: np.ndarray, active: np.ndarray, capacity: np.ndarray
