@@ -8,21 +8,37 @@ caches reset before each run, and pools all requests per policy. It also counts,
 seeds precise beats each other policy (paired: same arrivals). Each policy's SLO attainment and goodput are
 measured against the interactive chat's objective (TTFT 300 ms, TPOT 50 ms; ``bench.demo.DEMO_OBJECTIVE``), at the
 client, without the requests stating it.
+
+The live peers run on the same fleet, with the same client and workload, in the same rotation: smg (cache_aware) and
+vllm-router (kv_aware: it subscribes to the workers' KV events and tokenizes prompts with the bundled tokenizer; the
+fleet publishes vLLM's own sha256 block hashes, ``--prefix-caching-hash-algo sha256``, as a real vLLM fleet does).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import re
 import statistics
 import sys
 from contextlib import ExitStack
 from typing import Any
 
-from bench.demo import DEMO_DEFAULTS, PolicyRun, run_round, shared_prefix_workload
-from bench.load import sim_workers
+from bench.demo import (
+    DEMO_DEFAULTS,
+    DemoRequest,
+    PolicyRun,
+    drive_workload,
+    reset_workers,
+    run_round,
+    shared_prefix_workload,
+)
+from bench.load import SimWorkerProcess, sim_workers
+from bench.peers import PeerUnavailable, vllm_router
 
-POLICIES = ["round_robin", "approx_prefix", "precise", "smg"]
+POLICIES = ["round_robin", "approx_prefix", "precise", "smg", "vllm-router"]
+BLOCK = 16  # the simulated workers' default block size, told to vllm-router
 
 
 def pooled(runs: list[PolicyRun]) -> PolicyRun:
@@ -40,17 +56,49 @@ def pooled(runs: list[PolicyRun]) -> PolicyRun:
     return out
 
 
+def run_vllm_router(workers: list[SimWorkerProcess], workload: list[DemoRequest], progress: bool,
+                    policy: str = "kv_aware") -> PolicyRun:
+    """The vLLM project's router in front of the same workers, subscribed to their KV events, from cold caches."""
+    urls = [w.url for w in workers]
+    events = [m.group(1) for w in workers if (m := re.search(r"events=([^,]+)", w.spec))]
+    asyncio.run(reset_workers(urls))
+    with vllm_router(urls, policy, events, block_size=BLOCK) as url:
+        asyncio.run(reset_workers(urls))  # its readiness probe request ran on one worker: start cold
+        return asyncio.run(drive_workload("vllm-router", url + "/v1/completions", workload, progress))
+
+
+def rotated_round(seed: int, workers: list[SimWorkerProcess], workload: list[DemoRequest], progress: bool,
+                  skipped: dict[str, str]) -> list[PolicyRun]:
+    """Every policy and peer once on one workload, the order rotated by ``seed`` (none always goes first); a peer
+    that cannot run is named in ``skipped`` with why, and not tried again."""
+    specs, urls = [w.spec for w in workers], [w.url for w in workers]
+    order = POLICIES[seed % len(POLICIES):] + POLICIES[: seed % len(POLICIES)]
+    done: list[PolicyRun] = []
+    for policy in order:
+        if policy in skipped:
+            continue
+        if policy == "vllm-router":
+            try:
+                done.append(run_vllm_router(workers, workload, progress))
+            except PeerUnavailable as e:
+                skipped[policy] = str(e)
+                print(f"  vllm-router skipped: {e}", file=sys.stderr)
+            continue
+        done += run_round([policy], 0, specs, urls, workload, progress, skipped)
+    return done
+
+
 def run(seeds: int, progress: bool = True) -> dict[str, Any]:
     d = DEMO_DEFAULTS
     by_policy: dict[str, list[PolicyRun]] = {}
     skipped: dict[str, str] = {}
     with ExitStack() as stack:
         workers = sim_workers(stack, d["workers"], "--time-scale", str(d["time_scale"]),
-                              "--num-gpu-blocks", str(d["gpu_blocks"]), replay=True)
-        specs, urls = [w.spec for w in workers], [w.url for w in workers]
+                              "--num-gpu-blocks", str(d["gpu_blocks"]), "--block-size", str(BLOCK),
+                              "--prefix-caching-hash-algo", "sha256", replay=True)
         for seed in range(seeds):
             workload = shared_prefix_workload(d["groups"], d["per_group"], d["rate"], seed)
-            for result in run_round(POLICIES, seed, specs, urls, workload, progress, skipped):
+            for result in rotated_round(seed, workers, workload, progress, skipped):
                 by_policy.setdefault(result.policy, []).append(result)
     out: dict[str, Any] = {"seeds": seeds, "requests_per_seed": d["groups"] * d["per_group"], "policies": {}}
     precise = by_policy.get("precise", [])

@@ -38,11 +38,12 @@ def test_quality_bench_pools_every_policy_over_seeds():
     res = json.loads(out.stdout)
     assert res["seeds"] == 1 and res["requests_per_seed"] == 144
     pol = res["policies"]
-    assert set(pol) == {"round_robin", "approx_prefix", "precise", "smg"}
+    assert set(pol) == {"round_robin", "approx_prefix", "precise", "smg", "vllm-router"}
     for name in ("round_robin", "approx_prefix", "precise"):
         assert pol[name]["requests"] == 144 and pol[name]["errors"] == 0 and len(pol[name]["per_seed"]) == 1
         assert 0.0 <= pol[name]["slo_attainment"] <= 1.0 and pol[name]["goodput_rps"] >= 0.0
     assert "skipped" in pol["smg"] or pol["smg"]["requests"] == 144  # the peer runs where it is installed
+    assert "skipped" in pol["vllm-router"] or pol["vllm-router"]["requests"] == 144  # installed by the bench
     # cache-aware routing keeps shared prefixes where they are cached; round robin scatters them
     assert pol["precise"]["hit_rate"] > 2 * pol["round_robin"]["hit_rate"]
     assert pol["round_robin"]["precise_higher_hit_rate_seeds"] == 1

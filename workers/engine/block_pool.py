@@ -11,9 +11,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import pickle
+import struct
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +41,137 @@ def engine_block_hash(parent: int | None, tokens: bytes | memoryview, extra: tup
     if extra:
         seed ^= xxhash.xxh3_64_intdigest(repr(extra).encode())
     return xxhash.xxh3_64_intdigest(tokens, seed)
+
+
+# ---- vLLM's own block hashes (vllm/v1/core/kv_cache_utils.py and vllm/utils/hashing.py, vLLM 0.32) --------------
+# ``native``: the engine model's fast hash above (the default: the router never needs the engine's hash). The others
+# are vLLM's ``--prefix-caching-hash-algo`` values, reproduced bit for bit so that peers which recompute vLLM's hashes
+# from a request's tokens (vllm-router's kv_aware, llm-d's precise scorer) find the simulated workers' blocks.
+VLLM_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+HASH_ALGOS = ("native", *VLLM_HASH_ALGOS)
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM's seed for cryptographic algorithms without PYTHONHASHSEED
+
+
+def _cbor(obj: Any, out: bytearray) -> None:
+    """Canonical CBOR (RFC 8949 core deterministic, as ``cbor2.dumps(obj, canonical=True)``) of what a block hash
+    holds: ints, bytes, str, None, bools and tuples/lists of them. Written here so the engine model needs no cbor2."""
+    if obj is None:
+        out.append(0xF6)
+    elif obj is True or obj is False:
+        out.append(0xF5 if obj else 0xF4)
+    elif isinstance(obj, int):
+        if obj >= 0:
+            _cbor_head(0, obj, out)
+        else:
+            _cbor_head(1, -1 - obj, out)
+    elif isinstance(obj, (bytes, bytearray, memoryview)):
+        b = bytes(obj)
+        _cbor_head(2, len(b), out)
+        out += b
+    elif isinstance(obj, str):
+        b = obj.encode()
+        _cbor_head(3, len(b), out)
+        out += b
+    elif isinstance(obj, (tuple, list)):
+        _cbor_head(4, len(obj), out)
+        for x in obj:
+            _cbor(x, out)
+    else:
+        raise TypeError(f"no canonical CBOR here for {type(obj).__name__}")
+
+
+def _cbor_head(major: int, n: int, out: bytearray) -> None:
+    if n >= 1 << 64:
+        raise ValueError("integer too large for a CBOR head")
+    m = major << 5
+    if n < 24:
+        out.append(m | n)
+    elif n < 1 << 8:
+        out += struct.pack(">BB", m | 24, n)
+    elif n < 1 << 16:
+        out += struct.pack(">BH", m | 25, n)
+    elif n < 1 << 32:
+        out += struct.pack(">BI", m | 26, n)
+    else:
+        out += struct.pack(">BQ", m | 27, n)
+
+
+def cbor_canonical(obj: Any) -> bytes:
+    out = bytearray()
+    _cbor(obj, out)
+    return bytes(out)
+
+
+def _pickled(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+_SERIALIZE: dict[str, Callable[[Any], bytes]] = {
+    "sha256": _pickled, "sha256_cbor": cbor_canonical, "xxhash": _pickled, "xxhash_cbor": cbor_canonical}
+
+
+def vllm_hash_fn(algo: str) -> Callable[[Any], bytes]:
+    """vLLM's ``get_hash_fn_by_name``: sha256 / xxh3-128 over pickle (protocol 5) or canonical CBOR."""
+    if algo not in _SERIALIZE:
+        raise ValueError(f"unknown prefix caching hash algorithm {algo!r}; one of {', '.join(VLLM_HASH_ALGOS)}")
+    ser = _SERIALIZE[algo]
+    if algo.startswith("sha256"):
+        return lambda obj: hashlib.sha256(ser(obj)).digest()
+    return lambda obj: xxhash.xxh3_128_digest(ser(obj))
+
+
+def resolve_none_hash_seed(algo: str, python_hash_seed: str | None) -> str:
+    """vLLM's ``resolve_none_hash_seed``: PYTHONHASHSEED when set; else a fixed seed for sha256 and sha256_cbor
+    (every engine agrees) and fresh random bytes for the xxhash ones (not collision resistant: the seed stays
+    secret, and two engines then never share a hash)."""
+    if python_hash_seed is not None:
+        return python_hash_seed
+    if algo.startswith("xxhash"):
+        return os.urandom(32).hex()
+    return DEFAULT_NONE_HASH_SEED
+
+
+class VllmBlockHasher:
+    """vLLM's ``hash_block_tokens`` for one engine: digest = algo((parent digest or NONE_HASH, tokens, extra keys)),
+    NONE_HASH = algo(seed). The chain runs on full digests; what the events carry (and the pool keys) is the
+    digest's last 8 bytes as an unsigned int, as ``maybe_convert_block_hash`` sends them."""
+
+    __slots__ = ("algo", "fn", "none_hash", "seed")
+
+    def __init__(self, algo: str, python_hash_seed: str | None = None) -> None:
+        self.algo = algo
+        self.fn = vllm_hash_fn(algo)
+        self.seed = resolve_none_hash_seed(algo, python_hash_seed)
+        self.none_hash: bytes = self.fn(self.seed)
+
+    def digest(self, parent: bytes | None, tokens: Sequence[int], extra_keys: tuple[Any, ...] | None) -> bytes:
+        return self.fn((parent or self.none_hash, tuple(tokens), extra_keys))
+
+    @staticmethod
+    def to_int(digest: bytes) -> int:
+        return int.from_bytes(digest[-8:], "big")
+
+    def chain(self, tokens: Sequence[int], block_size: int,
+              extra_keys: Callable[[int], tuple[Any, ...] | None] = lambda i: None) -> list[int]:
+        """The int hashes of every full block of ``tokens`` (a whole prompt), as vLLM publishes them."""
+        out, parent = [], None
+        for i in range(len(tokens) // block_size):
+            parent = self.digest(parent, tokens[i * block_size : (i + 1) * block_size], extra_keys(i))
+            out.append(self.to_int(parent))
+        return out
+
+
+def vllm_extra_keys(lora_name: str | None, cache_salt: str | None, block_index: int,
+                    lora_path: str | None = None) -> tuple[Any, ...] | None:
+    """vLLM 0.32's ``generate_block_hash_extra_keys`` for text requests: ("lora", name, path) on every block of a
+    LoRA request, then ("cache_salt", salt) on block 0. (The events carry them untagged: name, salt.) A simulated
+    adapter has no files: its path is its name unless given."""
+    keys: list[tuple[str, ...]] = []
+    if lora_name:
+        keys.append(("lora", lora_name, lora_path or lora_name))
+    if block_index == 0 and cache_salt:
+        keys.append(("cache_salt", cache_salt))
+    return tuple(keys) if keys else None
 
 
 @dataclass(slots=True)

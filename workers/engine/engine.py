@@ -18,7 +18,17 @@ import numpy as np
 import xxhash
 
 from router.events.codec import KvEvent
-from workers.engine.block_pool import _MASK, _MIX, NONE_HASH, BlockPool, CachedBlock, engine_block_hash
+from workers.engine.block_pool import (
+    _MASK,
+    _MIX,
+    HASH_ALGOS,
+    NONE_HASH,
+    BlockPool,
+    CachedBlock,
+    VllmBlockHasher,
+    engine_block_hash,
+    vllm_extra_keys,
+)
 from workers.engine.timing import TimingModel
 
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -40,6 +50,16 @@ class EngineConfig:
     max_loras: int = 0
     lora_load_ms: float = 30.0
     lora_load_ms_by_adapter: tuple[tuple[str, float], ...] = ()
+    # the block hash, as vLLM's --prefix-caching-hash-algo: "native" (the model's own fast xxh3 chain, the default:
+    # kvrouter keys blocks by their token ids, never by the engine's hash) or vLLM's sha256 | sha256_cbor | xxhash |
+    # xxhash_cbor, bit for bit, for peers that recompute vLLM's hashes. ``hash_seed``: PYTHONHASHSEED as the engine
+    # would see it (None: unset; then vLLM's fixed seed for sha256*, a random one for xxhash*)
+    hash_algo: str = "native"
+    hash_seed: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValueError(f"hash_algo {self.hash_algo!r}: one of {', '.join(HASH_ALGOS)}")
 
 
 class Status(enum.Enum):
@@ -72,6 +92,7 @@ class EngineRequest:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     block_tokens: list[bytes | memoryview] = field(default_factory=list)  # per full block, beside its hash
+    block_digests: list[bytes] = field(default_factory=list)  # vLLM's full digests, the chain (a vLLM hash_algo)
     num_cached_tokens: int | None = None  # prompt tokens served from cache, fixed at first admission
     load_back_tokens: int = 0
     # prefill/decode disaggregation: prompt tokens whose KV a prefill engine computed and sent here (full
@@ -247,6 +268,7 @@ class EngineModel:
         self.loras: OrderedDict[str, None] = OrderedDict()  # adapters loaded in slots, least recently used first
         self._lora_load_ms = dict(c.lora_load_ms_by_adapter)
         self._step_lora_ms = 0.0  # adapters loaded by the step being built
+        self._vllm_hasher = VllmBlockHasher(c.hash_algo, c.hash_seed) if c.hash_algo != "native" else None
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -348,6 +370,10 @@ class EngineModel:
     def _hashes_upto(self, req: EngineRequest, n_blocks: int) -> list[int]:
         bs = self.config.block_size
         hs = req.block_hashes
+        if self._vllm_hasher is not None:
+            if len(hs) < n_blocks:
+                self._vllm_hashes_upto(req, n_blocks)
+            return hs
         if not req.lora_name and not req.cache_salt and len(hs) < n_blocks:
             # hot path (every admission hashes the whole prompt): engine_block_hash inlined
             step = bs * 4
@@ -364,6 +390,23 @@ class EngineModel:
             hs.append(engine_block_hash(hs[-1] if hs else None, data, req.extra(i)))
             req.block_tokens.append(data)
         return hs
+
+    def _vllm_hashes_upto(self, req: EngineRequest, n_blocks: int) -> None:
+        """vLLM's chain (``hash_block_tokens`` over its tagged extra keys): full digests kept per request as the
+        parents of the next blocks, their last 8 bytes as the block hashes the pool keys and the events carry."""
+        vh = self._vllm_hasher
+        assert vh is not None
+        bs = self.config.block_size
+        hs, ds, toks = req.block_hashes, req.block_digests, req.block_tokens
+        parent = ds[-1] if ds else None
+        while len(hs) < n_blocks:
+            i = len(hs)
+            data = req.token_bytes(i * bs, (i + 1) * bs)
+            parent = vh.digest(parent, memoryview(data).cast("B").cast("I"),
+                               vllm_extra_keys(req.lora_name, req.cache_salt, i))
+            ds.append(parent)
+            hs.append(vh.to_int(parent))
+            toks.append(data)
 
     def _contents(self, req: EngineRequest, start: int, end: int) -> list[CachedBlock]:
         """What blocks [start, end) of a request hold, to cache or load them."""

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from aiohttp import web
 
 from router.scheduling.engine_profile import read_timing_file
 from router.tokenizer import DEFAULT_TOKENIZER_DIR, PromptTokenizer
 from workers.engine import EngineConfig, EngineModel, TimingModel
+from workers.engine.block_pool import HASH_ALGOS
 from workers.sim.publisher import KvEventPublisher
 from workers.sim.server import SimWorker
 
@@ -35,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--timing", default=None, help="YAML/JSON file overriding the timing model's coefficients")
+    p.add_argument("--prefix-caching-hash-algo", default="native", choices=HASH_ALGOS,
+                   help="the block hashes published, as vLLM's flag: native (the model's own, fast) or vLLM's "
+                        "sha256 | sha256_cbor | xxhash | xxhash_cbor bit for bit, with vLLM's NONE_HASH: from "
+                        "PYTHONHASHSEED when set, else a fixed seed (sha256*) or a random one (xxhash*)")
 
 
 def build_worker(args: argparse.Namespace) -> SimWorker:
@@ -48,6 +54,7 @@ def build_worker(args: argparse.Namespace) -> SimWorker:
         num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size, cpu_blocks=args.cpu_blocks,
         max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, vocab_size=tok.vocab_size, timing=timing,
+        hash_algo=args.prefix_caching_hash_algo, hash_seed=os.environ.get("PYTHONHASHSEED"),
     ))
     publisher = None
     if args.events_endpoint:
