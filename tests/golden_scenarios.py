@@ -13,8 +13,11 @@ another router's the requests it runs that the router still counts as waiting (t
 ``precise``, ``least_loaded``, ``approx_prefix``); and again when a LoRA request's adapter load was priced
 where it is not loaded, and left out of what the worker's TTFT fit learns (issue 45: ``precise``, seed 3); and
 again when requests beyond an engine's batch limit were priced as waiting for a place (issue 50: ``precise``,
-seed 2, whose random scrapes show a worker full at the same running count twice in a row); the other three are
-the original recording.
+seed 2, whose random scrapes show a worker full at the same running count twice in a row); and again when the
+memory wait followed the engine's admission rule and a choice's prefill was priced for the requests waiting behind
+it (issue 51: ``precise``, seeds 2 and 3), and when the KV a dispatch adds between scrapes was counted at what its
+request holds rather than at its last token (issue 51: ``least_loaded``, seed 3, from decision 109); the other
+three are the original recording.
 """
 
 from __future__ import annotations

@@ -297,3 +297,16 @@ def test_the_simulator_holds_a_flood_beyond_the_engines_batch_and_serves_the_qui
     # before: 2.8 s, behind the flood in an engine's queue (the router saw no queue there and held nothing)
     assert records["q"].ttft <= one_decode
     assert {b.limit for b in sim.core.state.batch_limits.values()} == {4}  # learned: the engines' max_num_seqs
+
+
+@pytest.mark.parametrize("value", ["+Inf", "-Inf", "NaN", "-3"])
+def test_an_engine_reporting_a_count_that_is_no_count_is_read_as_not_reporting_it(value):
+    """A worker's ``/metrics`` is input: ``+Inf`` running requests overflowed ``BatchLimit``'s int() and left the
+    worker's probe broken (issue 50 review); a count that is not a finite non-negative number is not reported."""
+    from router.load.metrics import BatchLimit, parse_engine_metrics
+
+    text = (f"vllm:num_requests_running{{model_name=\"m\"}} {value}\n"
+            "vllm:num_requests_waiting{model_name=\"m\"} 3\n")
+    m = parse_engine_metrics(text, 1.0)
+    assert m.running is None and m.waiting == 3
+    assert BatchLimit().seen(m) == BatchLimit()

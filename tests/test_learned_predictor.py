@@ -251,3 +251,18 @@ def test_without_lightgbm_it_says_so_once_and_the_routers_predictions_stand(monk
     for k in range(200):
         first.on_observed(req, "w0", CandidateReport("w0"), 0.1, 0.01, float(k))
     assert first.ttft.seen == first.tpot.seen == 0 and not first.ttft.trained and not second.learns
+
+
+def test_a_training_failure_never_fails_the_observation_that_fed_it(monkeypatch):
+    """The learner trains inside the lifecycle's observation hooks: an error there (a native library that does not
+    load, a LightGBM error) must leave the request's completion alone and the previous model standing."""
+    p = LlmdLatencyPredictorParams(min_samples=4, retrain_every=1, retrain_interval_s=0.0)
+    model = OnlineRegressor(TTFT_FEATURES, p)
+
+    def broken(now: float) -> None:
+        raise OSError("libgomp.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(model, "fit", broken)
+    for i in range(8):
+        model.observe(np.full(TTFT_FEATURES, float(i)), 0.1 + i * 0.01, float(i))  # no exception
+    assert model.seen == 8 and not model.trained

@@ -550,30 +550,32 @@ async def serve_epp(core: RoutingCore, fleet: Fleet, picker: EndpointPicker, por
     hs = await health_servicer(fleet)
     server = _grpc_server(grpc_server, max_message_bytes, reuse_port, limits)
     pb_grpc.add_ExternalProcessorServicer_to_server(picker, server)
-    rank_server = None
-    if rank_port is not None:
-        rank_server = _grpc_server(grpc_server, max_message_bytes, reuse_port, limits)
-        picker_pb2_grpc.add_PickerServicer_to_server(
-            RankService(core, picker.tokenizer_for, picker.block_size, fleet.max_model_len), rank_server)
-        await _start(rank_server, rank_host, rank_port, reuse_port)
-    health_server = None
-    if health_port is None or health_port == port:
-        health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    else:  # grpc.aio, whatever serves ext_proc: a probe every few seconds from any client (kubelet's is grpc-go)
-        health_server = _grpc_server("grpcio", max_message_bytes, reuse_port)
-        health_pb2_grpc.add_HealthServicer_to_server(hs, health_server)
-        await _start(health_server, host, health_port, reuse_port)
-    await _start(server, host, port, reuse_port)
-    if started is not None:
-        started.set()
+    rank_server: GrpcServer | grpc.aio.Server | None = None
+    health_server: GrpcServer | grpc.aio.Server | None = None
     try:
+        if health_port is None or health_port == port:
+            health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+        else:  # grpc.aio, whatever serves ext_proc: a probe every few seconds from any client (kubelet's is grpc-go)
+            health_server = _grpc_server("grpcio", max_message_bytes, reuse_port)
+            health_pb2_grpc.add_HealthServicer_to_server(hs, health_server)
+            await _start(health_server, host, health_port, reuse_port)
+        await _start(server, host, port, reuse_port)
+        if rank_port is not None:  # (after the data plane: a port clash there leaves no Rank listener behind)
+            rank_server = _grpc_server(grpc_server, max_message_bytes, reuse_port, limits)
+            picker_pb2_grpc.add_PickerServicer_to_server(
+                RankService(core, picker.tokenizer_for, picker.block_size, fleet.max_model_len), rank_server)
+            await _start(rank_server, rank_host, rank_port, reuse_port)
+        if started is not None:
+            started.set()
         while True:
             await update_readiness(hs, core, fleet.clock())
             await asyncio.sleep(0.2)
     finally:
-        await hs.enter_graceful_shutdown()  # NOT_SERVING, and it stays so
-        picker.gate.close()  # held requests: 429, each on its own stream, which then ends
+        # every step below runs whatever happens in another (a second signal during the drain cuts it short,
+        # never leaves a listener open)
         try:
+            picker.gate.close()  # held requests: 429, each on its own stream, which then ends
+            await hs.enter_graceful_shutdown()  # NOT_SERVING, and it stays so
             await server.stop(grace_s)  # finishes open streams, refuses new ones
         except asyncio.CancelledError:  # cut short
             await server.stop(0)

@@ -6,6 +6,7 @@ unknown, never as zero (a dead scrape must not make a busy worker look idle).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +97,9 @@ def parse_engine_metrics(text: str, scraped_at: float) -> EngineMetrics:
         for s in fam.samples:
             if s.name == fam.name:
                 found[field] = found.get(field, 0.0) + s.value
+    # an engine's figures are input too: a count or a fraction that is not a finite non-negative number says
+    # nothing (and +Inf would overflow every int() downstream), so it is read as not reported
+    found = {k: v for k, v in found.items() if math.isfinite(v) and v >= 0}
     return EngineMetrics(found.get("waiting"), found.get("running"), found.get("kv_usage"), scraped_at, cache_tokens,
                          work, *lora)
 

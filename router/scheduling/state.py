@@ -52,8 +52,8 @@ class FleetState:
         self.batch_limits: dict[str, BatchLimit] = {}
         # per worker: the router's own (waiting, running, KV blocks) there when its metrics were scraped, and
         # when the scrape now under way was sent (the engine's counts are taken somewhere between the two)
-        self.own_at_scrape: dict[str, tuple[int, int, int]] = {}
-        self.own_at_scrape_sent: dict[str, tuple[int, int, int]] = {}
+        self.own_at_scrape: dict[str, tuple[int, int, float]] = {}
+        self.own_at_scrape_sent: dict[str, tuple[int, int, float]] = {}
         # per worker: the first dispatch not yet followed by any KV event (for staleness)
         self.awaiting_events_since: dict[str, float] = {}
         self.changed: set[str] = set()  # workers whose metrics or capacity changed since the columns read them
@@ -87,10 +87,15 @@ class FleetState:
         self.cost.forget(worker_id)
         self.awaiting_events_since.pop(worker_id, None)
 
-    def _own_counts(self, worker_id: str) -> tuple[int, int, int]:
-        """The router's own (waiting, running, KV blocks) on a worker now."""
+    def _own_counts(self, worker_id: str) -> tuple[int, int, float]:
+        """The router's own (waiting, running, KV blocks in use) on a worker now; the blocks as
+        ``cost.blocks_in_use`` counts them without the engine's figure: the footprint less the output still to
+        come, so a dispatch since a scrape adds what its request holds, not its last token's blocks."""
         w = self.load.workers.get(worker_id)
-        return (w.requests - w.decoding, w.decoding, w.active_blocks) if w else (0, 0, 0)
+        if w is None:
+            return (0, 0, 0.0)
+        held = w.active_blocks - self.cost.params.remaining_fraction * w.output_tokens / self.block_size
+        return (w.requests - w.decoding, w.decoding, max(0.0, held))
 
     def scrape_sent(self, worker_id: str) -> None:
         """A metrics scrape of the worker is leaving now. The engine counts its requests at some moment before
@@ -194,7 +199,8 @@ class FleetState:
         running beyond those and the router's running are another router's.
 
         The KV in use is the engine's at the scrape with what the router's own have taken (dispatches) or freed
-        (completions) since, each at its footprint: the engine's figure is the ground truth of the blocks in use
+        (completions) since, each at what it holds (``_own_counts``: the footprint less the output to come): the
+        engine's figure is the ground truth of the blocks in use
         now, which its own requests' footprints (every output to its last token) are not. (Before, the router's
         footprint at the scrape was taken off and the present one added back, so a worker whose requests hold
         far less now than at their ends read as full as their footprints: issue 51.)
@@ -207,14 +213,15 @@ class FleetState:
         limit = seen.limit if seen is not None else None
         at = self.own_at_scrape.get(worker_id)
         w = self.load.workers.get(worker_id)
-        if at is None or w is None or at == (w.requests - w.decoding, w.decoding, w.active_blocks):
+        own = self._own_counts(worker_id)
+        if at is None or w is None or at == own:
             return metrics if metrics.batch_limit == limit else replace(metrics, batch_limit=limit)
-        waiting, running = w.requests - w.decoding, w.decoding
+        waiting, running = own[0], own[1]
         m, cap = metrics, self.cache_tokens.get(worker_id)
         kv = m.kv_usage
         if kv is not None and cap:
             blocks = cap // self.block_size
-            kv = min(1.0, max(0.0, kv * blocks + (w.active_blocks - at[2])) / blocks)
+            kv = min(1.0, max(0.0, kv * blocks + (own[2] - at[2])) / blocks)
         started = max(0.0, at[0] - m.waiting) if m.waiting is not None else 0.0  # ours waiting here, running there
         return EngineMetrics(None if m.waiting is None else max(0.0, m.waiting - at[0]) + waiting,
                              None if m.running is None else max(0.0, m.running - at[1] - started) + running,

@@ -95,8 +95,23 @@ class LlmdLatencyPredictorParams:
             raise ValueError("quantile must be in (0, 1)")
 
 
+_usable: bool | None = None  # whether lightgbm imports here (found and its native library loads): asked once
+
+
 def lightgbm_available() -> bool:
-    return importlib.util.find_spec("lightgbm") is not None
+    """Whether lightgbm can be used: installed, and its native library (which links the system's OpenMP runtime,
+    libgomp) loads; a missing runtime is an OSError at import, and the router's own predictions stand then."""
+    global _usable
+    if _usable is None:
+        _usable = False
+        if importlib.util.find_spec("lightgbm") is not None:
+            try:
+                import lightgbm  # noqa: F401
+            except (ImportError, OSError) as e:
+                log.warning("llmd-latency-predictor: lightgbm does not load (%s): it learns nothing", e)
+            else:
+                _usable = True
+    return _usable
 
 
 class OnlineRegressor:
@@ -130,7 +145,11 @@ class OnlineRegressor:
         self.y[at] = math.log(latency_s)
         self.seen += 1
         if self.due(now):
-            self.fit(now)
+            try:
+                self.fit(now)
+            except Exception as e:  # a peer's learner must never fail the request that fed it (lifecycle hooks)
+                log.warning("llmd-latency-predictor: training failed (%r): the previous model stands", e)
+                self.trained_on, self.fitted_at = self.seen, now  # (not retried at once)
 
     def due(self, now: float) -> bool:
         """The first model at ``min_samples`` observations; then a retrain once ``retrain_every`` new ones came and
