@@ -309,3 +309,27 @@ def test_a_stated_target_can_make_a_request_wait_earlier_never_later_than_its_co
     # missed by waiting there, so it is held, though the hopeless stated one alone would send it
     assert saturated(params, hopeless, 0.04, 2.03)
     assert not saturated(params, hopeless, 0.02, 0.5)
+
+
+def test_one_request_the_fleet_is_busy_for_reserves_only_the_worker_it_waits_for():
+    """Issue 50's review: a near-context prompt whose predicted wait passes the threshold on its chosen worker is
+    held; before, it reserved every worker its decision ranked, so every later request of its priority or lower
+    queued though other workers had room. Now it reserves the worker it waits for, and a request for another,
+    idle worker goes at once; one for the same worker still waits behind it (it is not starved)."""
+    params = FlowParams(enabled=True)
+    q = FlowQueue(params)
+
+    def on(worker: str, queue_s: float, others: tuple[str, ...] = ("w0", "w1", "w2")) -> Decision:
+        ranked = [worker, *(w for w in others if w != worker)]
+        d = Decision("precise", ranked=ranked)
+        d.candidates = [CandidateReport(w, queue_s=queue_s if w == worker else 9.0, prefill_s=0.1,
+                                        ttft_s=(queue_s if w == worker else 9.0) + 0.1) for w in ranked]
+        return d
+
+    giant = rule(params, NO_OBJECTIVE, on("w0", 5.0), 0.0)
+    assert giant.action == "hold" and giant.eligible == frozenset({"w0"})
+    assert q.push(item("giant"), giant.eligible)
+    small_elsewhere = rule(params, NO_OBJECTIVE, on("w2", 0.0), 0.0)
+    assert small_elsewhere.action == "send" and not q.must_wait(small_elsewhere, 0)
+    small_same = rule(params, NO_OBJECTIVE, on("w0", 0.0), 0.0)
+    assert q.must_wait(small_same, 0)  # w0 is left to drain for the one that waits for it

@@ -124,8 +124,14 @@ class Ruling:
 
     @property
     def eligible(self) -> frozenset[str]:
-        """The workers the request could be sent to (what it waits for while held)."""
-        return frozenset(self.decision.ranked)
+        """The worker the request waits for while held: the one its decision chose (the objective's best, busy
+        now). Only that one is reserved: reserving every worker it could use let one request the fleet is busy
+        for (a near-context prompt whose memory wait passes the threshold everywhere) hold every request behind
+        it while other workers had room (issue 50 review); a request behind takes only a worker nobody ahead of
+        it waits for, so none loses its chosen worker to one behind it, and a worker whose held request waits is
+        left to drain for it."""
+        chosen = self.decision.chosen
+        return frozenset(self.decision.ranked if chosen is None else (chosen,))
 
 
 def rule(params: FlowParams, objective: ServiceObjective, decision: Decision, waited_s: float) -> Ruling:
