@@ -4,8 +4,9 @@ One workload through the live proxy in front of N real vLLM engines, once per po
 through the simulator with the engines' calibrated timing; per policy, real against simulated mean and p99 TTFT,
 E2E and hit rate, the ratio sim/real, and the rank agreement over the policies (Kendall's tau).
 
-- Engines: ``--backend vllm`` (default) starts N vLLM engines: on a CPU machine the tiny random-weight Llama
-  (workers/vllm/build_tiny_model.py), each bound to its own core; with ``--model`` and ``--gpu``, that model,
+- Engines: ``--backend vllm`` (default) starts N vLLM engines: on a CPU machine a random-weight Llama
+  (workers/vllm/build_tiny_model.py; ``--shape tiny``, the default, or ``--shape prefill``, whose prefill
+  dominates a 1K-token prompt's TTFT), each bound to its own core; with ``--model`` and ``--gpu``, that model,
   one engine per GPU (``CUDA_VISIBLE_DEVICES=i``), ``--engines`` of them. Every engine runs with the block
   size, KV blocks, token budget and batch limit the simulator is then given, so the two see one fleet.
   ``--backend sim`` runs simulated workers instead (the pipeline's own check: both sides are then the engine
@@ -276,7 +277,7 @@ def fleet_urls(args: argparse.Namespace, fleet: Fleet, workdir: Path):  # type: 
         return
     from workers.vllm.engines import Engine, build_tiny_model, engine_port, running
 
-    model: Path | str = args.model or build_tiny_model(workdir / "tiny-model")
+    model: Path | str = args.model or build_tiny_model(workdir / f"{args.shape}-model", shape=args.shape)
     group = [Engine(f"e{i}", engine_port(), engine_port(), engine_port(), None if args.gpu else i % 2, model,
                     workdir / f"e{i}.log", extra=tuple(fleet.engine_flags()), block_size=fleet.block_size,
                     num_gpu_blocks=fleet.num_gpu_blocks, max_model_len=fleet.max_model_len,
@@ -324,7 +325,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             real = {p: median_round(rounds[p]) for p in policies}
     simulated = {p: simulate(requests, p, fleet, coefficients, args.seed) for p in policies}
     out = compare(real, simulated)
-    out.update({"backend": args.backend, "engines": fleet.engines, "requests": len(requests), "rounds": args.rounds,
+    out.update({"backend": args.backend, "engines": fleet.engines,
+                "model": args.model or (args.shape if args.backend == "vllm" else None), "requests": len(requests),
+                "rounds": args.rounds,
                 "fleet": fleet.__dict__, "timing": {k: timing_doc.get(k) for k in (*TIMING_KEYS, "step_token_budget")
                                                      if k in timing_doc},
                 "calibration_residuals": {k: (timing_doc.get("calibration") or {}).get(k)
@@ -385,6 +388,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["vllm", "sim"], default="vllm",
                    help="vllm: real engines (default); sim: simulated workers, the pipeline's self-check")
     p.add_argument("--model", default=None, help="a real model (path or name) instead of the tiny CPU model")
+    p.add_argument("--shape", choices=["tiny", "prefill"], default="tiny",
+                   help="the CPU model's size (workers/vllm/build_tiny_model.py): tiny (default, prefill cheap beside "
+                   "a step's fixed cost) or prefill (a 1K-token prompt's TTFT is mostly prefill: hits decide TTFT)")
     p.add_argument("--gpu", action="store_true", help="one engine per GPU (CUDA_VISIBLE_DEVICES=i), not bound to "
                    "CPU cores")
     p.add_argument("--gpu-blocks", type=int, default=Fleet.num_gpu_blocks, help="KV blocks per engine")

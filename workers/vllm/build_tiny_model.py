@@ -1,9 +1,15 @@
 """Build a tiny random-weight Llama that vLLM's CPU build can serve (nothing can be downloaded here).
 
-``python -m workers.vllm.build_tiny_model OUT_DIR`` (run with the vLLM environment's Python: it needs
-transformers and torch). The tokenizer is kvrouter's bundled BPE (router/data), wrapped as a
+``python -m workers.vllm.build_tiny_model OUT_DIR [--shape tiny|prefill]`` (run with the vLLM environment's
+Python: it needs transformers and torch). The tokenizer is kvrouter's bundled BPE (router/data), wrapped as a
 ``PreTrainedTokenizerFast`` with the same chat template, so kvrouter tokenizes exactly as the engine does.
-Model: LlamaConfig, 2 layers, hidden 128, 4 heads, 2 KV heads, random weights (REFERENCE.md section 3).
+Model: a LlamaConfig with random weights (REFERENCE.md section 3), in one of two shapes (``SHAPES``):
+- ``tiny`` (default): 2 layers, hidden 128, 4 heads, 2 KV heads. The engine tier's fast tests; but its prefill is
+  cheap beside a step's fixed cost (a 1K-token prompt is ~1.5 ms of compute), so on it no routing policy's hits
+  decide TTFT.
+- ``prefill``: larger, so on one CPU core an uncached 1K-token prompt's TTFT is mostly prefill and a fully cached
+  one's a small fraction of it, while decode stays fast enough for ``kvrouter bench fidelity --shape prefill`` to
+  finish in minutes (docs/vllm.md, "The prefill shape", has the measured figures).
 ``--lora NAME`` also writes a random rank-8 LoRA adapter for it (PEFT's layout: ``adapter_config.json`` and
 ``adapter_model.safetensors``, on q_proj and v_proj) under ``OUT_DIR/NAME``, for ``--enable-lora --lora-modules
 NAME=OUT_DIR/NAME``.
@@ -12,13 +18,22 @@ NAME=OUT_DIR/NAME``.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "router" / "data"  # the bundled BPE (package data)
 
+# LlamaConfig fields per shape; everything else (vocabulary, positions, untied head) is common
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2},
+    # measured on one core (docs/vllm.md): 1K tokens uncached ~120 ms of TTFT against ~9 ms for 16 tokens,
+    # decode ~3.3 ms a token; hidden 512 made the 1K prefill ~480 ms and decode twice as slow (a bench in hours)
+    "prefill": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
+                "num_key_value_heads": 2},
+}
 
-def build(out: Path, seed: int = 0) -> Path:
+
+def build(out: Path, seed: int = 0, shape: str = "tiny") -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -29,8 +44,9 @@ def build(out: Path, seed: int = 0) -> Path:
     tok.chat_template = cfg["chat_template"]
     tok.save_pretrained(out)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}: one of {', '.join(SHAPES)}")
+    config = LlamaConfig(vocab_size=len(tok), **SHAPES[shape], max_position_embeddings=4096,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
@@ -65,8 +81,19 @@ def build_lora(model_dir: Path, name: str, seed: int = 1) -> Path:
     return out
 
 
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", nargs="?", default="/tmp/kvrouter-tiny-model", help="the model directory to write")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="the model's size (default tiny)")
+    p.add_argument("--lora", default=None, help="also write a random LoRA adapter under OUT/NAME")
+    args = p.parse_args(argv)
+    target = Path(args.out)
+    print(build(target, shape=args.shape))
+    if args.lora:
+        print(build_lora(target, args.lora))
+
+
 if __name__ == "__main__":
-    target = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/kvrouter-tiny-model")
-    print(build(target))
-    if "--lora" in sys.argv:
-        print(build_lora(target, sys.argv[sys.argv.index("--lora") + 1]))
+    main()

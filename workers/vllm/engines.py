@@ -61,10 +61,11 @@ def ensure_vllm() -> Path:
     return VLLM_PY
 
 
-def build_tiny_model(out: Path, lora: str | None = None) -> Path:
-    """The random-weight tiny Llama on kvrouter's bundled tokenizer (workers/vllm/build_tiny_model.py); with
+def build_tiny_model(out: Path, lora: str | None = None, shape: str = "tiny") -> Path:
+    """The random-weight Llama on kvrouter's bundled tokenizer (workers/vllm/build_tiny_model.py) in ``shape``
+    (``tiny``: the engine tier's fast model; ``prefill``: one whose 1K-token prefill dominates its TTFT); with
     ``lora``, a random LoRA adapter for it too, in ``out / lora``."""
-    subprocess.run([str(ensure_vllm()), "-m", "workers.vllm.build_tiny_model", str(out),
+    subprocess.run([str(ensure_vllm()), "-m", "workers.vllm.build_tiny_model", str(out), "--shape", shape,
                     *(("--lora", lora) if lora else ())], check=True, cwd=ROOT, capture_output=True)
     return out
 
