@@ -145,8 +145,10 @@ def test_the_requests_flow_control_holds_wait_behind_a_choice_too():
 
 def test_the_engine_view_keeps_the_engines_kv_in_use_and_adds_what_changed_since_the_scrape():
     """The engine counted 100 blocks in use while the router's five requests would hold 130 at their last
-    tokens; a sixth dispatched since adds its 26. The engine's figure stands, plus the change: 126 (the view
-    took the footprint at the scrape off and the whole present footprint on: 156)."""
+    tokens; a sixth dispatched since adds what it holds as ``blocks_in_use`` counts it: its 16 prompt blocks and
+    half of its 10 output blocks (``remaining_fraction`` of them still to come), 21. The engine's figure stands,
+    plus the change: 121 (the view took the footprint at the scrape off and the whole present footprint on: 156;
+    counting the sixth at its last token: 126)."""
     state = FleetState(BS)
     for i in range(6):
         if i == 5:
@@ -156,4 +158,4 @@ def test_the_engine_view_keeps_the_engines_kv_in_use_and_adds_what_changed_since
         state.load.first_token(f"r{i}", now=0.0)
     assert state.load.load("w").active_blocks == 156
     view = state.engine_view("w", state.metrics["w"])
-    assert view is not None and view.kv_usage == pytest.approx(0.126)
+    assert view is not None and view.kv_usage == pytest.approx(0.121)
