@@ -14,7 +14,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,23 +173,27 @@ def run_smg(worker_urls: list[str], workload: list[DemoRequest], progress: bool)
 
 
 def run_round(policies: list[str], rotate: int, specs: list[str], urls: list[str], workload: list[DemoRequest],
-              progress: bool, skipped: dict[str, str]) -> list[PolicyRun]:
+              progress: bool, skipped: dict[str, str],
+              peers: dict[str, Callable[[], PolicyRun]] | None = None) -> list[PolicyRun]:
     """Every policy once on one workload, in an order rotated by ``rotate`` (none always goes first).
 
-    ``smg`` runs where installed; where not, why goes into ``skipped`` and it is not tried again."""
+    A live peer (``smg``, and any runner ``peers`` adds by name) runs where installed; where not, why goes into
+    ``skipped`` and it is not tried again."""
+    runners: dict[str, Callable[[], PolicyRun]] = {"smg": lambda: run_smg(urls, workload, progress), **(peers or {})}
     order = policies[rotate % len(policies):] + policies[: rotate % len(policies)]
     done: list[PolicyRun] = []
     for policy in order:
         if policy in skipped:
             continue
-        if policy == "smg":
-            try:
-                done.append(run_smg(urls, workload, progress))
-            except PeerUnavailable as e:
-                skipped[policy] = str(e)
-                print(f"  smg skipped: {e}", file=sys.stderr)
+        peer = runners.get(policy)
+        if peer is None:
+            done.append(asyncio.run(run_policy(policy, specs, urls, workload, progress)))
             continue
-        done.append(asyncio.run(run_policy(policy, specs, urls, workload, progress)))
+        try:
+            done.append(peer())
+        except PeerUnavailable as e:
+            skipped[policy] = str(e)
+            print(f"  {policy} skipped: {e}", file=sys.stderr)
     return done
 
 

@@ -35,7 +35,7 @@ from bench.demo import (
     shared_prefix_workload,
 )
 from bench.load import SimWorkerProcess, sim_workers
-from bench.peers import PeerUnavailable, vllm_router
+from bench.peers import vllm_router
 
 POLICIES = ["round_robin", "approx_prefix", "precise", "smg", "vllm-router"]
 BLOCK = 16  # the simulated workers' default block size, told to vllm-router
@@ -71,21 +71,8 @@ def rotated_round(seed: int, workers: list[SimWorkerProcess], workload: list[Dem
                   skipped: dict[str, str]) -> list[PolicyRun]:
     """Every policy and peer once on one workload, the order rotated by ``seed`` (none always goes first); a peer
     that cannot run is named in ``skipped`` with why, and not tried again."""
-    specs, urls = [w.spec for w in workers], [w.url for w in workers]
-    order = POLICIES[seed % len(POLICIES):] + POLICIES[: seed % len(POLICIES)]
-    done: list[PolicyRun] = []
-    for policy in order:
-        if policy in skipped:
-            continue
-        if policy == "vllm-router":
-            try:
-                done.append(run_vllm_router(workers, workload, progress))
-            except PeerUnavailable as e:
-                skipped[policy] = str(e)
-                print(f"  vllm-router skipped: {e}", file=sys.stderr)
-            continue
-        done += run_round([policy], 0, specs, urls, workload, progress, skipped)
-    return done
+    return run_round(POLICIES, seed, [w.spec for w in workers], [w.url for w in workers], workload, progress,
+                     skipped, peers={"vllm-router": lambda: run_vllm_router(workers, workload, progress)})
 
 
 def run(seeds: int, progress: bool = True) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import pytest
 
 from router.frontends.flow_gate import FlowGate
 from router.scheduling import Endpoint, RouteRequest, RoutingConfig, RoutingCore
-from router.scheduling.flow import FlowParams
+from router.scheduling.flow import FlowParams, rule
 from router.scheduling.slo import NO_OBJECTIVE, ServiceObjective
 from sim.workload import tokens_for_block
 from tests.sim_helpers import workers
@@ -142,10 +142,11 @@ def test_without_an_objective_a_request_uses_the_queue_wait_threshold():
     core, _ = busy_core()
     gate = FlowGate(core, FlowParams(enabled=True, saturation_queue_s=0.05))
     rreq = request(BIG, "x", objective=NO_OBJECTIVE)
-    assert gate._saturated(rreq, core.decide(rreq, T0))
+    # (what the gate rules on arrival: held while the queue wait passes the threshold)
+    assert rule(gate.params, rreq.objective, core.decide(rreq, T0), 0.0).action == "hold"
     idle = RoutingCore(RoutingConfig(policy="precise", seed=1))
     idle.upsert_endpoint(Endpoint("w0", "10.0.0.1:8000"))
-    assert not FlowGate(idle, FlowParams(enabled=True))._saturated(rreq, idle.decide(rreq, T0))
+    assert rule(FlowParams(enabled=True), rreq.objective, idle.decide(rreq, T0), 0.0).action == "send"
 
 
 @pytest.mark.parametrize("policy", ["least_loaded", "round_robin"])

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from router.scheduling.core import RoutingCore
-from router.scheduling.flow import FlowParams, FlowQueue, Queued, Ruling, rule, saturated
+from router.scheduling.flow import FlowParams, FlowQueue, Queued, Ruling, rule
 from router.scheduling.types import Decision, RouteRequest
 
 POLL_S = 0.02  # while requests wait: how often the queue is looked at without an event (an engine step's order)
@@ -108,10 +108,6 @@ class FlowGate:
             if request.request_id in self._sending:  # (its caller dispatches it before its next await)
                 self._sending.discard(request.request_id)
                 self._soon()
-
-    def _saturated(self, request: RouteRequest, decision: Decision) -> bool:
-        chosen = decision.report(decision.chosen) if decision.chosen is not None else None
-        return chosen is not None and saturated(self.params, request.objective, chosen.queue_s, chosen.ttft_s)
 
     def _judge(self, item: Queued, now: float) -> Ruling:
         request, decide = item.payload
